@@ -1,0 +1,172 @@
+"""Hugging Face format I/O without torch: `config.json`, `model.safetensors` (or a sharded
+`model.safetensors.index.json`) and `tokenizer.json`.
+
+Every failure names the file and the problem: an unsupported model type, a missing tensor, a
+tensor of the wrong shape, a corrupt file.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
+
+from specjax.models.config import ModelConfig, read_config
+from specjax.models.transformer import Model
+
+
+def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
+    """HF tensor name -> (path of the nnx.Param in `Model`, HF shape, stored transposed?)."""
+    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    names: dict = {"model.embed_tokens.weight": (("embed_tokens",), (V, E), False),
+                   "model.norm.weight": (("norm", "weight"), (E,), False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head", "weight"), (V, E), True)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        L = ("layers", i)
+        names[p + "input_layernorm.weight"] = (L + ("input_layernorm", "weight"), (E,), False)
+        names[p + "post_attention_layernorm.weight"] = (L + ("post_attention_layernorm", "weight"), (E,), False)
+        for proj, d_out, d_in in (("q_proj", H * D, E), ("k_proj", K * D, E), ("v_proj", K * D, E), ("o_proj", E, H * D)):
+            names[p + f"self_attn.{proj}.weight"] = (L + ("self_attn", proj, "weight"), (d_out, d_in), True)
+            has_bias = cfg.qkv_bias if proj != "o_proj" else cfg.o_bias
+            if has_bias:
+                names[p + f"self_attn.{proj}.bias"] = (L + ("self_attn", proj, "bias"), (d_out,), False)
+        if cfg.qk_norm:
+            names[p + "self_attn.q_norm.weight"] = (L + ("self_attn", "q_norm", "weight"), (D,), False)
+            names[p + "self_attn.k_norm.weight"] = (L + ("self_attn", "k_norm", "weight"), (D,), False)
+        for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
+            names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
+    return names
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(single):
+        files = [single]
+    elif os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: corrupt shard index ({e!r})") from None
+        files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+    else:
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{file}: corrupt safetensors file ({e})") from None
+    return tensors
+
+
+def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
+    # safetensors.numpy gives bf16 as ml_dtypes.bfloat16; upcast on the host.
+    return np.asarray(t).astype(np.float32)
+
+
+def load_model(path: str, *, dtype=jnp.float32) -> Model:
+    """Loads a Llama / Qwen2 / Qwen3 checkpoint in Hugging Face format (no torch needed).
+
+    Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
+    fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
+    """
+    cfg = read_config(path, dtype=dtype)
+    tensors = _read_tensors(path)
+    where = os.path.join(path, "model.safetensors")
+    model = nnx.eval_shape(lambda: Model(cfg, nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    names = hf_tensor_names(cfg)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        names_extra = {"lm_head.weight"}  # some exporters write the tied head too; it must match
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ValueError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    else:
+        names_extra = set()
+    unexpected = set(tensors) - set(names) - names_extra
+    unexpected = {n for n in unexpected if not n.endswith("rotary_emb.inv_freq")}
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensors for {cfg.model_type}: {sorted(unexpected)[:5]}")
+    for name, (param_path, shape, transposed) in names.items():
+        if name not in tensors:
+            raise ValueError(f"{where}: missing tensor {name!r}")
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        arr = _to_numpy_f32(t)
+        if transposed:
+            arr = arr.T
+        flat[param_path].set_value(jnp.asarray(arr, dtype=dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    tok_file = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tok_file):
+        tok = load_tokenizer(path)
+        if tok.get_vocab_size() > cfg.vocab_size:
+            raise ValueError(f"{tok_file}: tokenizer has {tok.get_vocab_size()} tokens but the model's "
+                             f"vocabulary is {cfg.vocab_size}")
+    return model
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file}: no tokenizer.json in the model directory")
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # tokenizers raises a plain Exception on a bad file
+        raise ValueError(f"{file}: corrupt tokenizer ({e})") from None
+
+
+def save_model(model: Model, path: str, *, tokenizer: Tokenizer | None = None, dtype=None,
+               max_shard_bytes: int | None = None) -> None:
+    """Writes `config.json` + `model.safetensors` (sharded with an index past `max_shard_bytes`),
+    and `tokenizer.json` when given. `dtype` (e.g. jnp.bfloat16) converts on export."""
+    cfg = model.config
+    os.makedirs(path, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {}
+    for name, (param_path, _, transposed) in hf_tensor_names(cfg).items():
+        arr = jnp.asarray(flat[param_path].get_value())
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        arr = np.asarray(arr)
+        tensors[name] = np.ascontiguousarray(arr.T if transposed else arr)
+    hf = cfg.to_hf()
+    if dtype is not None:
+        hf["torch_dtype"] = jnp.dtype(dtype).name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if max_shard_bytes is None or sum(t.nbytes for t in tensors.values()) <= max_shard_bytes:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards, cur, size = [], {}, 0
+        for name, t in tensors.items():
+            if cur and size + t.nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[name] = t
+            size += t.nbytes
+        shards.append(cur)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                       "weight_map": weight_map}, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(path, "tokenizer.json"))

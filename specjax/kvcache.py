@@ -1,0 +1,100 @@
+"""The KV cache: one registered dataclass pytree for every attention layer of a model.
+
+Rows of one batch hold different lengths. A forward over a block of T tokens writes their K/V at
+slots `length .. length+T-1` of each row (`write`) without advancing `length`; the caller then
+commits: `advance` for plain decoding, `commit_path` for a verified tree (design §4), which gathers
+the accepted nodes' slots into place and advances each row by its own amount.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.typing import Array, Float, Int, Lengths
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: Float[Array, "L B C K D"]
+    v: Float[Array, "L B C K D"]
+    length: Int[Array, "B"]  # committed tokens per row; slots >= length are scratch
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
+         dtype=jnp.float32) -> KVCache:
+    shape = (num_layers, batch, capacity, kv_heads, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   length=jnp.zeros((batch,), jnp.int32))
+
+
+def _write_rows(buf_BxCxKxD, new_BxTxKxD, start_B):
+    def one(buf, new, s):
+        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (s, 0, 0))
+    return jax.vmap(one)(buf_BxCxKxD, new_BxTxKxD, start_B)
+
+
+def write(cache: KVCache, layer: int, k_BxTxKxD, v_BxTxKxD) -> KVCache:
+    """Writes one layer's new K/V at each row's own offset `length` (length is not advanced)."""
+    k = cache.k.at[layer].set(_write_rows(cache.k[layer], k_BxTxKxD, cache.length))
+    v = cache.v.at[layer].set(_write_rows(cache.v[layer], v_BxTxKxD, cache.length))
+    return dataclasses.replace(cache, k=k, v=v)
+
+
+def advance(cache: KVCache, n_B: Lengths) -> KVCache:
+    """Keeps the first n slots written after `length` in each row."""
+    return dataclasses.replace(cache, length=cache.length + n_B.astype(jnp.int32))
+
+
+def set_length(cache: KVCache, length_B: Lengths) -> KVCache:
+    return dataclasses.replace(cache, length=length_B.astype(jnp.int32))
+
+
+def commit_path(cache: KVCache, path_BxP: Int[Array, "B P"], n_keep_B: Lengths) -> KVCache:
+    """Moves the slots `length + path[b, i]` (i < P) to `length + i` and advances by n_keep.
+
+    `path` holds block-relative indices (tree node ids); entries at i >= n_keep are ignored
+    (they may be anything in range). Used after tree verification: the accepted root-to-leaf
+    path's K/V become contiguous, the rejected branches fall beyond the new length.
+    """
+    P = path_BxP.shape[1]
+    src_BxP = cache.length[:, None] + jnp.clip(path_BxP, 0, cache.capacity - 1)
+    dst_BxP = cache.length[:, None] + jnp.arange(P)[None, :]
+    keep_BxP = jnp.arange(P)[None, :] < n_keep_B[:, None]
+    # Rejected entries rewrite their own destination slot with its current value (a no-op).
+    src_BxP = jnp.where(keep_BxP, src_BxP, dst_BxP)
+    src_BxP = jnp.clip(src_BxP, 0, cache.capacity - 1)
+    dst_BxP = jnp.clip(dst_BxP, 0, cache.capacity - 1)
+
+    def move(buf_LxBxCxKxD):
+        def row(buf_LxCxKxD, src_P, dst_P):
+            gathered = buf_LxCxKxD[:, src_P]  # [L, P, K, D], read before any write
+            return buf_LxCxKxD.at[:, dst_P].set(gathered)
+        return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(buf_LxBxCxKxD, src_BxP, dst_BxP)
+
+    return KVCache(k=move(cache.k), v=move(cache.v), length=cache.length + n_keep_B.astype(jnp.int32))
+
+
+def visible_mask(cache: KVCache, block_mask_BxTxT) -> Array:
+    """Which cache slots each of the T block queries sees: the row's committed prefix plus the
+    block's own slots under `block_mask` (causal for prefill, ancestors for a tree). [B, T, C]."""
+    T = block_mask_BxTxT.shape[-1]
+    slot_C = jnp.arange(cache.capacity)
+    rel_BxC = slot_C[None, :] - cache.length[:, None]
+    prefix_BxC = rel_BxC < 0
+    in_block_BxC = (rel_BxC >= 0) & (rel_BxC < T)
+    idx_BxC = jnp.clip(rel_BxC, 0, T - 1)
+    block_BxTxC = jnp.take_along_axis(
+        block_mask_BxTxT, jnp.broadcast_to(idx_BxC[:, None, :], block_mask_BxTxT.shape[:2] + idx_BxC.shape[-1:]),
+        axis=2)
+    return prefix_BxC[:, None, :] | (in_block_BxC[:, None, :] & block_BxTxC)

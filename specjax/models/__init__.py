@@ -1,0 +1,1 @@
+"""Target models. `transformer`: Llama / Qwen2 / Qwen3 dense decoders."""

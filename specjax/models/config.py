@@ -1,0 +1,166 @@
+"""Model configuration: one frozen dataclass, read from and written to Hugging Face `config.json`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool = False  # Llama with attention_bias
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: Any = jnp.float32  # parameter and activation dtype (float32 on CPU)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.rope_scaling.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_scaling.rope_type!r}")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf(cls, hf: dict, *, source: str = "config.json", dtype=jnp.float32) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            n_heads = hf["num_attention_heads"]
+            hidden = hf["hidden_size"]
+            rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+            rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+            scaling = RopeScaling(
+                rope_type=rope_type,
+                factor=float(rope.get("factor", 1.0)),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+            if hf.get("hidden_act", "silu") != "silu":
+                raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+            if hf.get("mlp_bias", False):
+                raise ValueError(f"{source}: mlp_bias=true is not supported")
+            if hf.get("use_sliding_window", False):
+                raise ValueError(f"{source}: sliding-window attention is not supported")
+            attention_bias = bool(hf.get("attention_bias", False))
+            eos = hf.get("eos_token_id")
+            if isinstance(eos, list):
+                eos = tuple(eos)
+            return cls(
+                vocab_size=hf["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=n_heads,
+                num_kv_heads=hf.get("num_key_value_heads") or n_heads,
+                head_dim=hf.get("head_dim") or hidden // n_heads,
+                model_type=model_type,
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=(model_type == "qwen2") or attention_bias,
+                o_bias=(model_type == "llama") and attention_bias,
+                qk_norm=(model_type == "qwen3"),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=eos,
+                pad_token_id=hf.get("pad_token_id"),
+                dtype=dtype,
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": self.rope_scaling.rope_type}
+        if self.rope_scaling.rope_type in ("linear", "llama3"):
+            rope["factor"] = self.rope_scaling.factor
+        if self.rope_scaling.rope_type == "llama3":
+            rope.update(low_freq_factor=self.rope_scaling.low_freq_factor,
+                        high_freq_factor=self.rope_scaling.high_freq_factor,
+                        original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings)
+        out = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            # Written in both spellings so older and newer transformers read the same RoPE.
+            "rope_parameters": rope,
+            "rope_theta": self.rope_theta,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling.rope_type != "default":
+            out["rope_scaling"] = rope
+        if self.model_type == "llama":
+            out["attention_bias"] = self.o_bias
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = False
+        return out
+
+
+def read_config(path: str, dtype=jnp.float32) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file}: no config.json in the model directory")
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    return ModelConfig.from_hf(hf, source=file, dtype=dtype)

@@ -1,0 +1,241 @@
+"""One dense decoder for Llama (incl. llama3 RoPE scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Parameters live in flax NNX modules; the forward is a set of free functions that take explicit
+positions, an explicit block mask and a KV cache, so one forward serves prefill (causal block),
+one-token decode (block of one) and tree verification (ancestor mask over the tree's nodes):
+
+    out = forward(model, tokens, positions, cache, block_mask)   # writes K/V, never commits
+
+The caller commits: `kvcache.advance` after decoding, `kvcache.commit_path` after a tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import kvcache
+from specjax.kvcache import KVCache
+from specjax.models.config import ModelConfig
+from specjax.typing import Array, BlockMask, Float, Hidden, Logits, Positions, Tokens
+
+
+# ----------------------------------------------------------------------------- parameters
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+
+class Linear(nnx.Module):
+    """y = x @ weight (+ bias). `weight` is [in, out] (the transpose of torch's)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, rngs: nnx.Rngs, dtype):
+        std = 1.0 / math.sqrt(d_in)
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(E, H * D, bias=cfg.qkv_bias, rngs=rngs, dtype=cfg.dtype)
+        self.k_proj = Linear(E, K * D, bias=cfg.qkv_bias, rngs=rngs, dtype=cfg.dtype)
+        self.v_proj = Linear(E, K * D, bias=cfg.qkv_bias, rngs=rngs, dtype=cfg.dtype)
+        self.o_proj = Linear(H * D, E, bias=cfg.o_bias, rngs=rngs, dtype=cfg.dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.dtype)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(E, F, bias=False, rngs=rngs, dtype=cfg.dtype)
+        self.up_proj = Linear(E, F, bias=False, rngs=rngs, dtype=cfg.dtype)
+        self.down_proj = Linear(F, E, bias=False, rngs=rngs, dtype=cfg.dtype)
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg, rngs)
+
+
+class Model(nnx.Module):
+    """A causal LM. `config` is static; every array is an `nnx.Param`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.dtype))
+        self.layers = nnx.List([Layer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs, dtype=cfg.dtype)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
+    return Model(cfg, nnx.Rngs(seed))
+
+
+def num_params(model: Model) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ----------------------------------------------------------------------------- functions
+
+def rms_norm(norm: RMSNorm, x):
+    # Normalise in float32, as transformers does, then cast back.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    return norm.weight[...] * x32.astype(x.dtype)
+
+
+def linear(lin: Linear, x):
+    y = x @ lin.weight[...]
+    return y if lin.bias is None else y + lin.bias[...]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Float[Array, "D/2"]:
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    s = cfg.rope_scaling
+    if s.rope_type == "linear":
+        inv = inv / s.factor
+    elif s.rope_type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions):
+    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+    emb_BxTxD = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
+    return jnp.cos(emb_BxTxD), jnp.sin(emb_BxTxD)
+
+
+def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD):
+    half = x_BxTxHxD.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
+    cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
+    return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
+
+
+def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T H D"]:
+    """Softmax attention of T queries over C cache slots (GQA: H = K * G). The reference that the
+    Pallas tree-attention kernel replaces."""
+    B, T, H, D = q_BxTxHxD.shape
+    K = k_BxCxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
+    s_BxKxGxTxC = jnp.einsum("btkgd,bckd->bkgtc", q_BxTxKxGxD, k_BxCxKxD,
+                             preferred_element_type=jnp.float32) / math.sqrt(D)
+    s_BxKxGxTxC = jnp.where(visible_BxTxC[:, None, None], s_BxKxGxTxC, -jnp.inf)
+    p = jax.nn.softmax(s_BxKxGxTxC, axis=-1)
+    p = jnp.where(visible_BxTxC[:, None, None], p, 0.0)  # rows with nothing visible give 0, not NaN
+    out_BxTxKxGxD = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v_BxCxKxD.dtype), v_BxCxKxD)
+    return out_BxTxKxGxD.reshape(B, T, H, D)
+
+
+def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache, visible_BxTxC):
+    B, T, _ = x_BxTxE.shape
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = layer.self_attn
+    h = rms_norm(layer.input_layernorm, x_BxTxE)
+    q = linear(attn.q_proj, h).reshape(B, T, H, D)
+    k = linear(attn.k_proj, h).reshape(B, T, K, D)
+    v = linear(attn.v_proj, h).reshape(B, T, K, D)
+    if attn.q_norm is not None:
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache = kvcache.write(cache, idx, k, v)
+    o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
+    x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
+    h = rms_norm(layer.post_attention_layernorm, x_BxTxE)
+    mlp = layer.mlp
+    x_BxTxE = x_BxTxE + linear(mlp.down_proj, jax.nn.silu(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+    return x_BxTxE, cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    logits: Logits
+    cache: KVCache  # K/V of the block written at slots length..length+T-1; length unchanged
+    hidden: tuple[Hidden, ...]  # outputs of the requested layers, in request order
+    last_hidden: Hidden  # final hidden state after the last norm (what the LM head reads)
+
+
+def embed(model: Model, tokens_BxT: Tokens):
+    return model.embed_tokens[...][tokens_BxT]
+
+
+def lm_head(model: Model, h_BxTxE) -> Logits:
+    if model.lm_head is None:
+        return (h_BxTxE @ model.embed_tokens[...].T).astype(jnp.float32)
+    return linear(model.lm_head, h_BxTxE).astype(jnp.float32)
+
+
+def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
+            block_mask_BxTxT: BlockMask, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    """Runs a block of T tokens on top of each row's committed cache prefix.
+
+    Query t sees every committed slot of its row and block token u iff block_mask[b, t, u]
+    (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode).
+    """
+    cfg = model.config
+    x = embed(model, tokens_BxT)
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    visible = kvcache.visible_mask(cache, block_mask_BxTxT)
+    hidden = {}
+    for i, layer in enumerate(model.layers):
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible)
+        if i in hidden_layers:
+            hidden[i] = x
+    h = rms_norm(model.norm, x)
+    return ForwardOutput(logits=lm_head(model, h), cache=cache,
+                         hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=h)
+
+
+def causal_mask(batch: int, T: int, lengths_B=None) -> BlockMask:
+    """Causal block mask; with `lengths`, keys at or past a row's length are hidden (right padding)."""
+    m = jnp.tril(jnp.ones((T, T), bool))[None].repeat(batch, 0)
+    if lengths_B is not None:
+        m = m & (jnp.arange(T)[None, None, :] < lengths_B[:, None, None])
+    return m
+
+
+def init_cache(model: Model, batch: int, capacity: int) -> KVCache:
+    cfg = model.config
+    return kvcache.init(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+
+
+def prefill(model: Model, tokens_BxP: Tokens, lengths_B, cache: KVCache, hidden_layers=()) -> ForwardOutput:
+    """Right-padded prompts written from slot 0; commits each row's own length.
+
+    Returns the output with `cache.length == lengths`; logits at padded positions are garbage.
+    """
+    B, P = tokens_BxP.shape
+    cache = kvcache.set_length(cache, jnp.zeros((B,), jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
+    out = forward(model, tokens_BxP, positions, cache, causal_mask(B, P, lengths_B), hidden_layers)
+    return dataclasses.replace(out, cache=kvcache.set_length(out.cache, lengths_B))
+
+
+def decode_step(model: Model, tokens_B, cache: KVCache, hidden_layers=()) -> ForwardOutput:
+    """One token per row at position `cache.length`; commits it (length += 1)."""
+    B = tokens_B.shape[0]
+    out = forward(model, tokens_B[:, None], cache.length[:, None], cache, jnp.ones((B, 1, 1), bool), hidden_layers)
+    return dataclasses.replace(out, cache=kvcache.advance(out.cache, jnp.ones((B,), jnp.int32)))
