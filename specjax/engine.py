@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sampling
+from specjax import kvcache, sampling, tree as tree_lib, verify as verify_lib
+from specjax.drafters.base import Committed, DraftContext
 from specjax.models import transformer
 from specjax.models.transformer import Model
 from specjax.sampling import SamplingParams
@@ -103,15 +104,25 @@ def _eos_array(model: Model, eos_token_id) -> np.ndarray:
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
-             capacity: int | None = None) -> GenerationResult:
-    """Autoregressive generation of a ragged batch of token-id prompts.
+             capacity: int | None = None, drafters: Sequence = (), tree=None,
+             verify: str | None = None) -> GenerationResult:
+    """Generation of a ragged batch of token-id prompts, autoregressive or speculative.
 
     temperature == 0 is greedy. `eos_token_id` defaults to the model config's; a row stops at
     its first EOS (which is kept in its output). `capacity` (default: just enough) sizes the KV cache.
+    With `drafters`, each round drafts a tree (`tree`: a spec string, path list or TreeSpec) and
+    verifies it with `verify` ("greedy" at temperature 0; "deterministic" — the default when
+    sampling —, "sampled" or "sampled_noreplace").
     """
     sampling.validate(temperature, top_k, top_p)
-    batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
     eos = _eos_array(model, eos_token_id)
+    if drafters:
+        return _generate_speculative(model, prompts, list(drafters), tree, verify, eos,
+                                     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, capacity=capacity)
+    if tree is not None or verify is not None:
+        raise ValueError("tree= and verify= need at least one drafter")
+    batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
     graphdef, state = nnx.split(model)
     tokens, lengths = _generate_ar(graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
                                    SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed),
@@ -159,3 +170,118 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
     _, _, _, _, n_B, buf_BxM = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, out.cache, done_B, n_B, buf_BxM))
     return buf_BxM, n_B
+
+
+# ----------------------------------------------------------------------------- speculative
+
+DEFAULT_TREE = "chain=4"
+
+
+def resolve_rule(verify: str | None, temperature: float) -> str:
+    if verify is not None and verify not in verify_lib.RULES:
+        raise ValueError(f"unknown verification rule {verify!r}; choose from {', '.join(verify_lib.RULES)}")
+    if temperature == 0:
+        if verify not in (None, "greedy"):
+            raise ValueError(f"verify={verify!r} samples; it needs temperature > 0 (temperature 0 is greedy)")
+        return "greedy"
+    if verify == "greedy":
+        raise ValueError("verify='greedy' needs temperature 0")
+    return verify or "deterministic"
+
+
+def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
+                          temperature, top_k, top_p, seed, capacity) -> GenerationResult:
+    if len(drafters) > 1:
+        raise ValueError("several drafters share one tree only under TreeGraft; pass one drafter")
+    drafter = drafters[0]
+    V = model.config.vocab_size
+    if drafter.vocab_size is not None and drafter.vocab_size != V:
+        raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
+                         "a drafter must share the target's tokenizer")
+    spec = tree_lib.parse_tree_spec(DEFAULT_TREE if tree is None else tree)
+    rule = resolve_rule(verify, temperature)
+    mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
+    if mode != "topk" and drafter.name == "ngram":
+        raise ValueError(f"the n-gram drafter proposes deterministic candidates; use verify='deterministic', not {rule!r}")
+    if mode != "topk" and isinstance(spec, tree_lib.DynamicTree):
+        raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
+    evaluated = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
+    slack = max(spec.num_nodes, evaluated) + spec.max_depth + 2
+    batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack)
+    graphdef, state = nnx.split((model, drafter))
+    tokens, lengths, stats = _generate_spec(
+        graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+        SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos),
+        capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec, mode=mode)
+    stats = {k: np.asarray(v) for k, v in stats.items()}
+    rounds = np.maximum(stats["rounds"], 1)
+    stats["tau"] = 1.0 + stats["accepted"] / rounds
+    stats["depth_acceptance"] = stats["accepted_at_depth"] / rounds[:, None]
+    return GenerationResult(np.asarray(tokens), np.asarray(lengths), stats)
+
+
+def _write_rows(buf_BxT, new_BxK, start_B):
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s,)))(buf_BxT, new_BxK, start_B)
+
+
+@jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode"))
+def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, *,
+                   capacity: int, max_new_tokens: int, rule: str, spec, mode: str):
+    global _trace_count
+    _trace_count += 1
+    model, drafter = nnx.merge(graphdef, state)
+    B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
+    greedy = rule == "greedy"
+    layers = tuple(drafter.target_layers)
+    cache = transformer.init_cache(model, B, capacity)
+    out = transformer.prefill(model, prompt_BxP, lengths_B, cache, hidden_layers=layers)
+    root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
+    dstate = drafter.init(prompt_BxP, lengths_B, capacity, out)
+    buf = jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B)
+    done_B = is_eos(root_B, eos_E) | (M <= 1)
+    stats = dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
+                 accepted_at_depth=jnp.zeros((B, D), jnp.int32))
+    carry = (jnp.int32(1), root_B, out.cache, dstate, done_B, jnp.ones((B,), jnp.int32), buf, stats)
+
+    def cond(carry):
+        return ~jnp.all(carry[4])
+
+    def body(carry):
+        r, root_B, cache, dstate, done_B, n_out_B, buf, stats = carry
+        k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
+        prop = drafter.propose(dstate, root_B, DraftContext(spec, mode, params, k_draft))
+        tree = prop.tree
+        tout = transformer.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                                   tree_lib.ancestor_mask(tree, D), hidden_layers=layers)
+        vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params,
+                               draft_probs_BxNxV=prop.probs)
+        active = ~done_B
+        keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
+        committed = Committed(
+            tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1),
+            count=keep_B,
+            positions=cache.length[:, None] + jnp.arange(D + 1)[None],
+        )
+        cache = kvcache.commit_path(tout.cache, vd.path, keep_B)
+        dstate = drafter.commit(prop.state, committed)
+        # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
+        i = jnp.arange(D + 1)[None]
+        n = vd.num_accepted[:, None]
+        emitted = jnp.where(i < n, jnp.pad(vd.tokens, ((0, 0), (0, 1))), jnp.where(i == n, vd.bonus[:, None], 0))
+        hit = is_eos(emitted.reshape(-1), eos_E).reshape(emitted.shape) & (i <= n)
+        count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, vd.num_accepted + 1)
+        count = jnp.where(active, jnp.minimum(count, M - n_out_B), 0)
+        buf = _write_rows(buf, emitted, n_out_B)
+        n_out_B = n_out_B + count
+        done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
+        act = active.astype(jnp.int32)
+        stats = dict(rounds=stats["rounds"] + act,
+                     accepted=stats["accepted"] + act * vd.num_accepted,
+                     accepted_at_depth=stats["accepted_at_depth"]
+                     + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
+        root_B = jnp.where(active, vd.bonus, root_B)
+        return r + 1, root_B, cache, dstate, done_B, n_out_B, buf, stats
+
+    _, _, _, _, _, n_out_B, buf, stats = jax.lax.while_loop(cond, body, carry)
+    buf = jnp.where(jnp.arange(M + D + 1)[None] < n_out_B[:, None], buf, 0)[:, :M]
+    return buf, n_out_B, stats

@@ -44,10 +44,14 @@ def _write_rows(buf_BxCxKxD, new_BxTxKxD, start_B):
     return jax.vmap(one)(buf_BxCxKxD, new_BxTxKxD, start_B)
 
 
-def write(cache: KVCache, layer: int, k_BxTxKxD, v_BxTxKxD) -> KVCache:
-    """Writes one layer's new K/V at each row's own offset `length` (length is not advanced)."""
-    k = cache.k.at[layer].set(_write_rows(cache.k[layer], k_BxTxKxD, cache.length))
-    v = cache.v.at[layer].set(_write_rows(cache.v[layer], v_BxTxKxD, cache.length))
+def write(cache: KVCache, layer: int, k_BxTxKxD, v_BxTxKxD, offset_B=None) -> KVCache:
+    """Writes one layer's new K/V at slots `length + offset` of each row (length is not advanced).
+
+    `offset` (default 0) places a block after earlier scratch blocks, as a drafter does when it
+    expands its tree depth by depth."""
+    start_B = cache.length if offset_B is None else cache.length + offset_B
+    k = cache.k.at[layer].set(_write_rows(cache.k[layer], k_BxTxKxD, start_B))
+    v = cache.v.at[layer].set(_write_rows(cache.v[layer], v_BxTxKxD, start_B))
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -85,16 +89,15 @@ def commit_path(cache: KVCache, path_BxP: Int[Array, "B P"], n_keep_B: Lengths) 
     return KVCache(k=move(cache.k), v=move(cache.v), length=cache.length + n_keep_B.astype(jnp.int32))
 
 
-def visible_mask(cache: KVCache, block_mask_BxTxT) -> Array:
+def visible_mask(cache: KVCache, block_mask_BxTxS) -> Array:
     """Which cache slots each of the T block queries sees: the row's committed prefix plus the
-    block's own slots under `block_mask` (causal for prefill, ancestors for a tree). [B, T, C]."""
-    T = block_mask_BxTxT.shape[-1]
+    scratch slots `length .. length+S-1` under `block_mask` (causal for prefill, ancestors for a
+    tree; S = T unless earlier scratch blocks are visible too). [B, T, C]."""
+    B, T, S = block_mask_BxTxS.shape
     slot_C = jnp.arange(cache.capacity)
     rel_BxC = slot_C[None, :] - cache.length[:, None]
     prefix_BxC = rel_BxC < 0
-    in_block_BxC = (rel_BxC >= 0) & (rel_BxC < T)
-    idx_BxC = jnp.clip(rel_BxC, 0, T - 1)
-    block_BxTxC = jnp.take_along_axis(
-        block_mask_BxTxT, jnp.broadcast_to(idx_BxC[:, None, :], block_mask_BxTxT.shape[:2] + idx_BxC.shape[-1:]),
-        axis=2)
+    in_block_BxC = (rel_BxC >= 0) & (rel_BxC < S)
+    idx_BxTxC = jnp.broadcast_to(jnp.clip(rel_BxC, 0, S - 1)[:, None, :], (B, T, cache.capacity))
+    block_BxTxC = jnp.take_along_axis(block_mask_BxTxS, idx_BxTxC, axis=2)
     return prefix_BxC[:, None, :] | (in_block_BxC[:, None, :] & block_BxTxC)

@@ -149,7 +149,8 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T 
     return out_BxTxKxGxD.reshape(B, T, H, D)
 
 
-def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache, visible_BxTxC):
+def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache, visible_BxTxC,
+                  offset_B=None):
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -160,7 +161,7 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = kvcache.write(cache, idx, k, v)
+    cache = kvcache.write(cache, idx, k, v, offset_B)
     o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
     h = rms_norm(layer.post_attention_layernorm, x_BxTxE)
@@ -189,19 +190,22 @@ def lm_head(model: Model, h_BxTxE) -> Logits:
 
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
-            block_mask_BxTxT: BlockMask, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+            block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (),
+            offset_B=None) -> ForwardOutput:
     """Runs a block of T tokens on top of each row's committed cache prefix.
 
-    Query t sees every committed slot of its row and block token u iff block_mask[b, t, u]
-    (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode).
+    The block's K/V go to slots `length + offset .. +T-1` (offset 0 by default). Query t sees
+    every committed slot of its row and scratch slot `length + s` iff block_mask[b, t, s]
+    (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode); S = T
+    unless earlier scratch blocks (a drafter's tree so far) are visible too.
     """
     cfg = model.config
     x = embed(model, tokens_BxT)
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    visible = kvcache.visible_mask(cache, block_mask_BxTxT)
+    visible = kvcache.visible_mask(cache, block_mask_BxTxS)
     hidden = {}
     for i, layer in enumerate(model.layers):
-        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible)
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible, offset_B)
         if i in hidden_layers:
             hidden[i] = x
     h = rms_norm(model.norm, x)

@@ -1,0 +1,251 @@
+"""Command line: `python -m specjax generate --model DIR --prompt TEXT`.
+
+Subcommands are built by `build_parser()`; each one has an `add_*_args(parser)` function so later
+features (drafters, trees, verification rules) add their flags to `generate` in one place.
+
+Usage errors (a missing model directory, a bad prompt file, a prompt that does not fit the cache,
+an out-of-range sampling parameter) exit with status 2 and one line on stderr, never a traceback.
+
+Timing (`--json` fields, and the summary line on stderr in text mode) is for the whole batch,
+measured around one `specjax.generate` call:
+  wall_s        the timed generate call, end to end (host prep, compile if any, prefill, decode,
+                copy back);
+  compile_s     time JAX spent tracing, lowering and compiling: the union of the time spans of
+                JAX's own compile events (`jax.monitoring`) during the first call;
+  ms_per_token  (wall_s - the timed call's compile time) / decoding steps, where steps = the
+                longest row's generated tokens (one step yields one token per row; prefill
+                is included).
+Without `--warmup` the timed call is the first one: subtracting compile time leaves other
+first-call costs in (tens of ms on CPU), which dominate for tiny models. With `--warmup` the batch
+runs once untimed first and the timed call is the second: a steady-state ms_per_token.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class UsageError(Exception):
+    """A problem with the user's input: reported as `prog: error: ...`, exit status 2."""
+
+
+# ----------------------------------------------------------------------------- parser
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory in Hugging Face format (config.json, model.safetensors, tokenizer.json)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    src.add_argument("--prompt-file", metavar="FILE.jsonl",
+                     help='one JSON object per line with a "prompt" string; all prompts run as one batch')
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at EOS (default: stop at the model config's eos_token_id)")
+    p.add_argument("--capacity", type=int, default=None, metavar="C",
+                   help="KV-cache slots per row (default: just enough, at most the model's max_position_embeddings)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run the batch once untimed first, so ms_per_token is the steady state "
+                        "(compile_s then reports the warm-up's compilation)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt per line instead of plain text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding of language models in JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    gen = sub.add_parser("generate", help="generate completions for one prompt or a JSONL batch",
+                         description="Generate completions with specjax.generate (one compiled program per batch shape).")
+    add_generate_args(gen)
+    gen.set_defaults(run=run_generate, subparser=gen)
+    return parser
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def read_prompt_file(path: str) -> list[tuple[str, str]]:
+    """("FILE:LINE", prompt) for each prompt of a JSONL file; blank lines are skipped. Raises UsageError naming the line."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--prompt-file {path}: no such file")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise UsageError(f'{path}:{n}: expected a JSON object with a "prompt" key, got {type(obj).__name__}')
+            if "prompt" not in obj:
+                raise UsageError(f'{path}:{n}: missing "prompt" key')
+            if not isinstance(obj["prompt"], str):
+                raise UsageError(f'{path}:{n}: "prompt" must be a string, got {type(obj["prompt"]).__name__}')
+            if not obj["prompt"]:
+                raise UsageError(f"{path}:{n}: empty prompt")
+            prompts.append((f"{path}:{n}", obj["prompt"]))
+    if not prompts:
+        raise UsageError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def check_model_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UsageError(f"--model {path}: no such directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise UsageError(f"--model {path}: no {name} in the model directory")
+
+
+# ----------------------------------------------------------------------------- timing
+
+@contextlib.contextmanager
+def compile_timer():
+    """Yields a dict whose "compile_s" is, on exit, the union of JAX's compile-event time spans
+    (trace, lower to MLIR, backend compile) recorded inside the block."""
+    from jax import monitoring
+
+    spans: list[tuple[float, float]] = []
+
+    def listener(event, start_time, end_time, **kwargs):
+        if event in COMPILE_EVENTS:
+            spans.append((start_time, end_time))
+
+    out = {"compile_s": 0.0}
+    monitoring.register_event_time_span_listener(listener)
+    try:
+        yield out
+    finally:
+        monitoring.unregister_event_time_span_listener(listener)
+        total, end = 0.0, float("-inf")
+        for s, e in sorted(spans):  # union: nested events (a jit traced inside a trace) count once
+            if e <= end:
+                continue
+            total += e - max(s, end)
+            end = e
+        out["compile_s"] = total
+
+
+# ----------------------------------------------------------------------------- generate
+
+def run_generate(args: argparse.Namespace) -> int:
+    from specjax import sampling
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.capacity is not None and args.capacity < 1:
+        raise UsageError(f"--capacity must be a positive integer, got {args.capacity}")
+    try:
+        sampling.validate(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:  # name the flag, not the keyword argument
+        msg = str(e)
+        for kw in ("temperature", "top_k", "top_p"):
+            if msg.startswith(kw + " "):
+                msg = "--" + kw.replace("_", "-") + msg[len(kw):]
+        raise UsageError(msg) from None
+    if args.prompt is not None:
+        if not args.prompt:
+            raise UsageError("--prompt: empty prompt")
+        sources = [("--prompt", args.prompt)]
+    else:
+        sources = read_prompt_file(args.prompt_file)
+    check_model_dir(args.model)
+
+    import specjax
+
+    try:
+        model = specjax.load_model(args.model)
+        tokenizer = specjax.load_tokenizer(args.model)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load the model: {e}") from None
+    cfg = model.config
+
+    prompts = [s for _, s in sources]
+    ids = [tokenizer.encode(s).ids for s in prompts]
+    limit = args.capacity if args.capacity is not None else cfg.max_position_embeddings
+    limit_name = f"--capacity {limit}" if args.capacity is not None else f"the model's max_position_embeddings ({limit})"
+    for (where, _), p in zip(sources, ids):
+        if not p:
+            raise UsageError(f"{where}: the prompt encodes to no tokens")
+        if len(p) + args.max_new_tokens > limit:
+            raise UsageError(f"{where}: prompt too long for the cache: {len(p)} prompt tokens + "
+                             f"{args.max_new_tokens} new tokens = {len(p) + args.max_new_tokens} > {limit_name}")
+
+    eos = () if args.ignore_eos else None  # None: the model config's eos_token_id
+    eos_ids = set() if args.ignore_eos else set(cfg.eos_ids)
+    kwargs = dict(generate_kwargs(args), eos_token_id=eos)
+    try:
+        if args.warmup:  # compiles (timed) and runs once; the reported run is the second
+            with compile_timer() as timing:
+                specjax.generate(model, ids, **kwargs)
+        with compile_timer() as timing_run:
+            t0 = time.perf_counter()
+            result = specjax.generate(model, ids, **kwargs)
+            wall = time.perf_counter() - t0
+    except ValueError as e:  # generate validates every input before tracing
+        raise UsageError(str(e)) from None
+    if not args.warmup:
+        timing = timing_run
+
+    seqs = result.sequences()
+    steps = max(len(s) for s in seqs)
+    run_s = wall - min(timing_run["compile_s"], wall)
+    compile_s = timing["compile_s"]
+    ms_per_token = 1000.0 * run_s / steps
+    if args.json:
+        for i, (prompt, p, s) in enumerate(zip(prompts, ids, seqs)):
+            print(json.dumps({
+                "index": i,
+                "prompt": prompt,
+                "prompt_tokens": len(p),
+                "prompt_ids": p,
+                "tokens": s,
+                "text": tokenizer.decode(s),
+                "finish_reason": "eos" if s and s[-1] in eos_ids else "length",
+                "batch_size": len(seqs),
+                "ms_per_token": round(ms_per_token, 3),
+                "compile_s": round(compile_s, 4),
+                "wall_s": round(wall, 4),
+                "warmup": bool(args.warmup),
+            }, ensure_ascii=False), flush=True)
+    else:
+        for i, s in enumerate(seqs):
+            if len(seqs) > 1:
+                print(f"=== [{i}] ===")
+            print(tokenizer.decode(s), flush=True)
+        print(f"[specjax] batch {len(seqs)}, {sum(map(len, seqs))} tokens in {steps} steps: "
+              f"{ms_per_token:.2f} ms/token, compile {compile_s:.2f} s, wall {wall:.2f} s",
+              file=sys.stderr)
+    return 0
+
+
+def generate_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments for `specjax.generate` from the `generate` flags (drafter / tree /
+    verification flags add theirs here)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, capacity=args.capacity)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        args.subparser.error(str(e))  # `specjax generate: error: ...`, exit status 2
+    return 2

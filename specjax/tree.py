@@ -1,0 +1,354 @@
+"""The draft tree: padded static buffers (design §2), tree specs, and everything derived from them.
+
+A tree holds at most N nodes per row, node 0 the root (the last emitted token, whose target K/V is
+not in the cache yet). Nodes are in topological order (parent < child), so ancestry and paths are
+computed by a loop over depth in jitted code. A chain is a tree of width 1: no separate path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.typing import Array, Bool, Float, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeBuffers:
+    tokens: Int[Array, "B N"]
+    parents: Int[Array, "B N"]  # -1 for the root and for padding
+    depth: Int[Array, "B N"]  # 0 for the root
+    valid: Bool[Array, "B N"]
+    score: Float[Array, "B N"]  # cumulative draft log-prob, used to rank nodes
+    source: Int[Array, "B N"]  # int8: which drafter proposed the node (TreeGraft)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+def chain_tree(root_B, draft_BxD, logq_BxD=None, source: int = 0) -> TreeBuffers:
+    """A root followed by a chain of D drafted tokens."""
+    B, D = draft_BxD.shape
+    N = D + 1
+    idx = jnp.arange(N)
+    score = jnp.zeros((B, N)) if logq_BxD is None else jnp.concatenate(
+        [jnp.zeros((B, 1)), jnp.cumsum(logq_BxD, axis=1)], axis=1)
+    return TreeBuffers(
+        tokens=jnp.concatenate([root_B[:, None], draft_BxD], axis=1).astype(jnp.int32),
+        parents=jnp.broadcast_to(idx - 1, (B, N)).astype(jnp.int32),
+        depth=jnp.broadcast_to(idx, (B, N)).astype(jnp.int32),
+        valid=jnp.ones((B, N), bool),
+        score=score.astype(jnp.float32),
+        source=jnp.full((B, N), source, jnp.int8))
+
+
+def ancestor_mask(tree: TreeBuffers, max_depth: int) -> Bool[Array, "B N N"]:
+    """mask[b, i, j]: node j is node i or one of its ancestors (both valid)."""
+    B, N = tree.parents.shape
+    eye = jnp.eye(N, dtype=bool)[None]
+    parents = jnp.where(tree.valid, tree.parents, -1)
+
+    # anc_k[i] = the k-th ancestor of i (-1 past the root); mark each one. Depth <= max_depth.
+    def step(_, carry):
+        mask, anc_BxN = carry
+        hit = jax.nn.one_hot(anc_BxN, N, dtype=bool)  # -1 gives an all-false row
+        nxt = jnp.where(anc_BxN >= 0, jnp.take_along_axis(parents, jnp.maximum(anc_BxN, 0), axis=1), -1)
+        return mask | hit, nxt
+
+    mask, _ = jax.lax.fori_loop(0, max_depth, step, (jnp.broadcast_to(eye, (B, N, N)), parents))
+    return mask & tree.valid[:, :, None] & tree.valid[:, None, :]
+
+
+def positions(tree: TreeBuffers, cache_length_B) -> Int[Array, "B N"]:
+    return cache_length_B[:, None] + tree.depth
+
+
+def path_to(tree: TreeBuffers, node_B, max_depth: int) -> Int[Array, "B D+1"]:
+    """Root-to-node path as node ids, padded with the node itself past its depth."""
+    B = node_B.shape[0]
+    depth_B = jnp.take_along_axis(tree.depth, node_B[:, None], axis=1)[:, 0]
+    path = jnp.zeros((B, max_depth + 1), jnp.int32)
+
+    def step(k, carry):
+        path, cur = carry
+        d = depth_B - k  # the depth of `cur`
+        path = jnp.where((d >= 0)[:, None] & (jnp.arange(max_depth + 1)[None] == d[:, None]), cur[:, None], path)
+        cur = jnp.where(d > 0, jnp.take_along_axis(tree.parents, cur[:, None], axis=1)[:, 0], cur)
+        return path, cur
+
+    path, _ = jax.lax.fori_loop(0, max_depth + 1, step, (path, node_B.astype(jnp.int32)))
+    return path
+
+
+# ----------------------------------------------------------------------------- specs
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+    """A Medusa / EAGLE-1 path list, compiled once on the host.
+
+    Each path lists, from the root down, the rank of the child at each depth: [[0], [1], [0, 0]]
+    is the root's top-1 and top-2 children and the top-1 child of the top-1 child.
+    """
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        validate_paths(self.paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def layout(self):
+        """(parents [N], depth [N], rank [N]) as numpy, nodes sorted by depth then path."""
+        order = sorted(self.paths, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, depth, rank = [-1], [0], [0]
+        for i, p in enumerate(order, start=1):
+            index[p] = i
+            parents.append(index[p[:-1]])
+            depth.append(len(p))
+            rank.append(p[-1])
+        return np.array(parents, np.int32), np.array(depth, np.int32), np.array(rank, np.int32)
+
+    def max_branching(self) -> int:
+        return 1 + max(p[-1] for p in self.paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2: expand the top-k frontier by cumulative log-prob for `depth` steps, then keep the
+    best `nodes - 1` drafted nodes (a connected tree, since a child never outscores its parent)."""
+    depth: int
+    topk: int
+    nodes: int
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1 or self.nodes < 2:
+            raise ValueError(f"dynamic tree needs depth >= 1, topk >= 1, nodes >= 2; got {self}")
+        if self.nodes - 1 > self.pool_size - 1:
+            raise ValueError(f"dynamic tree keeps {self.nodes - 1} nodes but expansion only proposes "
+                             f"{self.pool_size - 1} (depth={self.depth}, topk={self.topk})")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def pool_size(self) -> int:
+        # root + topk children of the root + topk*topk candidates at each further depth
+        return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
+
+
+TreeSpec = StaticTree | DynamicTree
+
+
+def validate_paths(paths) -> None:
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise ValueError("a tree path list must be a non-empty list of paths, e.g. [[0], [1], [0, 0]]")
+    seen = set()
+    for p in paths:
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"malformed tree path {p!r}: each path is a non-empty list of child ranks")
+        if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0 for r in p):
+            raise ValueError(f"malformed tree path {p!r}: ranks must be non-negative integers")
+        t = tuple(int(r) for r in p)
+        if t in seen:
+            raise ValueError(f"malformed tree path list: {list(t)} appears twice")
+        seen.add(t)
+    for t in seen:
+        if len(t) > 1 and t[:-1] not in seen:
+            raise ValueError(f"malformed tree path list: {list(t)} has no parent path {list(t[:-1])}")
+        if t[-1] > 0 and t[:-1] + (t[-1] - 1,) not in seen:
+            raise ValueError(f"malformed tree path list: {list(t)} needs its elder sibling "
+                             f"{list(t[:-1] + (t[-1] - 1,))} (ranks at a node must be 0, 1, 2, …)")
+
+
+def chain(depth: int) -> StaticTree:
+    return StaticTree(tuple(tuple([0] * d) for d in range(1, depth + 1)))
+
+
+def parse_tree_spec(spec: str | Sequence | TreeSpec) -> TreeSpec:
+    """'chain=5', 'depth=6,topk=8,nodes=32' (dynamic) or a JSON path list '[[0],[1],[0,0]]'."""
+    if isinstance(spec, (StaticTree, DynamicTree)):
+        return spec
+    if isinstance(spec, (list, tuple)):
+        return StaticTree(tuple(tuple(int(r) for r in p) for p in _checked_paths(spec)))
+    if not isinstance(spec, str):
+        raise ValueError(f"tree spec must be a string, a path list or a TreeSpec, got {type(spec).__name__}")
+    s = spec.strip()
+    if s.startswith("["):
+        try:
+            paths = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed tree path list {spec!r}: {e}") from None
+        return parse_tree_spec(paths)
+    m = re.fullmatch(r"chain=(\d+)", s)
+    if m:
+        if int(m.group(1)) < 1:
+            raise ValueError("chain length must be >= 1")
+        return chain(int(m.group(1)))
+    try:
+        kv = dict(item.split("=") for item in s.split(","))
+        if set(kv) != {"depth", "topk", "nodes"}:
+            raise ValueError
+        return DynamicTree(int(kv["depth"]), int(kv["topk"]), int(kv["nodes"]))
+    except ValueError as e:
+        if str(e):
+            raise
+        raise ValueError(f"malformed tree spec {spec!r}: expected 'chain=D', 'depth=D,topk=K,nodes=N' "
+                         f"or a JSON path list") from None
+
+
+def _checked_paths(paths):
+    validate_paths(paths)
+    return paths
+
+
+# ----------------------------------------------------------------------------- expansion
+
+def static_ancestors(parents_N: np.ndarray) -> np.ndarray:
+    """Host-side ancestor-or-self matrix of a static layout. [N, N] bool."""
+    N = len(parents_N)
+    anc = np.eye(N, dtype=bool)
+    for i in range(1, N):
+        anc[i] |= anc[parents_N[i]]
+    return anc
+
+
+def _children_tokens(key, logq_BxFxV, count: int, mode: str):
+    """The `count` ranked child tokens of each evaluated node: top-k, or draws from q."""
+    if mode == "topk":
+        _, tok = jax.lax.top_k(logq_BxFxV, count)
+    elif mode == "sample":  # with replacement
+        tok = jax.random.categorical(key, logq_BxFxV[..., None, :], axis=-1,
+                                     shape=logq_BxFxV.shape[:-1] + (count,))
+    elif mode == "sample_noreplace":  # Gumbel top-k draws without replacement
+        g = jax.random.gumbel(key, logq_BxFxV.shape)
+        _, tok = jax.lax.top_k(jnp.where(jnp.isfinite(logq_BxFxV), logq_BxFxV + g, -jnp.inf), count)
+    else:
+        raise ValueError(f"unknown child mode {mode!r}")
+    return tok.astype(jnp.int32)
+
+
+def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", source: int = 0):
+    """Builds a draft tree depth by depth.
+
+    `evaluate(state, tokens_BxF, positions_depth, offset, mask_BxFxS) -> (logq_BxFxV, state)` runs
+    the drafter on F new nodes placed at scratch slots `offset .. offset+F-1`, each seeing the
+    scratch slots [0, S) marked in `mask` (its ancestors and itself). Returns
+    (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
+    """
+    if isinstance(spec, StaticTree):
+        return _expand_static(spec, root_B, evaluate, state, key, mode, source)
+    if mode != "topk":
+        raise ValueError("a dynamic tree ranks candidates by score: sampled candidates need a static tree")
+    return _expand_dynamic(spec, root_B, evaluate, state, source)
+
+
+def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source):
+    parents, depth, rank = spec.layout()
+    anc = static_ancestors(parents)
+    N, D, B = spec.num_nodes, spec.max_depth, root_B.shape[0]
+    starts = [int(np.searchsorted(depth, d)) for d in range(D + 2)]
+    tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(root_B)
+    score = jnp.zeros((B, N), jnp.float32)
+    probs = None
+    for d in range(D):
+        s, e, ce = starts[d], starts[d + 1], starts[d + 2]  # nodes at depth d: [s, e); children: [e, ce)
+        mask = jnp.broadcast_to(jnp.asarray(anc[s:e, :e]), (B, e - s, e))
+        logq, state = evaluate(state, tokens[:, s:e], d, s, mask)  # [B, F, V]
+        if probs is None:
+            probs = jnp.zeros((B, N, logq.shape[-1]), jnp.float32)
+        probs = probs.at[:, s:e].set(jnp.exp(logq))
+        count = int(rank[e:ce].max()) + 1
+        kids = _children_tokens(jax.random.fold_in(key, d), logq, count, mode)  # [B, F, count]
+        par_local = jnp.asarray(parents[e:ce] - s)
+        child_tok = kids[:, par_local, jnp.asarray(rank[e:ce])]  # [B, ce-e]
+        child_logq = jnp.take_along_axis(logq[:, par_local], child_tok[..., None], axis=-1)[..., 0]
+        tokens = tokens.at[:, e:ce].set(child_tok)
+        score = score.at[:, e:ce].set(score[:, jnp.asarray(parents[e:ce])] + child_logq)
+    tree = TreeBuffers(
+        tokens=tokens,
+        parents=jnp.broadcast_to(jnp.asarray(parents), (B, N)),
+        depth=jnp.broadcast_to(jnp.asarray(depth), (B, N)),
+        valid=jnp.isfinite(score),
+        score=score,
+        source=jnp.full((B, N), source, jnp.int8))
+    return tree, probs, state
+
+
+def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):
+    B, k, D, N = root_B.shape[0], spec.topk, spec.depth, spec.nodes
+    P = spec.pool_size
+    E = 1 + (D - 1) * k  # evaluated nodes: the root and k frontier nodes per depth below D
+    pool_tok = jnp.zeros((B, P), jnp.int32).at[:, 0].set(root_B)
+    pool_par = jnp.full((B, P), -1, jnp.int32)
+    pool_depth = jnp.zeros((B, P), jnp.int32)
+    pool_score = jnp.zeros((B, P), jnp.float32)
+    # Ancestor-or-self mask over evaluated scratch slots; slot 0 is the root.
+    eval_anc = jnp.zeros((B, E, E), bool).at[:, 0, 0].set(True)
+    logq, state = evaluate(state, root_B[:, None], 0, 0, eval_anc[:, :1, :1])
+    top_v, top_t = jax.lax.top_k(logq[:, 0], k)  # [B, k]
+    pool_tok = pool_tok.at[:, 1:1 + k].set(top_t)
+    pool_par = pool_par.at[:, 1:1 + k].set(0)
+    pool_depth = pool_depth.at[:, 1:1 + k].set(1)
+    pool_score = pool_score.at[:, 1:1 + k].set(top_v)
+    front_pool = jnp.broadcast_to(jnp.arange(1, 1 + k), (B, k))  # pool ids of the frontier
+    front_parent_slot = jnp.zeros((B, k), jnp.int32)  # eval slot of each frontier node's parent
+    write = 1 + k
+    for d in range(1, D):
+        off = 1 + (d - 1) * k  # eval slots of this frontier: [off, off + k)
+        slots = off + jnp.arange(k)
+        par_rows = jnp.take_along_axis(eval_anc, front_parent_slot[..., None], axis=1)  # [B, k, E]
+        rows = par_rows | jax.nn.one_hot(slots, E, dtype=bool)[None]
+        eval_anc = eval_anc.at[:, off:off + k].set(rows)
+        f_tok = jnp.take_along_axis(pool_tok, front_pool, axis=1)
+        f_score = jnp.take_along_axis(pool_score, front_pool, axis=1)
+        logq, state = evaluate(state, f_tok, d, off, eval_anc[:, off:off + k, :off + k])
+        top_v, top_t = jax.lax.top_k(logq, k)  # [B, k, k]
+        cand_score = (f_score[..., None] + top_v).reshape(B, k * k)
+        cand_tok = top_t.reshape(B, k * k)
+        cand_par = jnp.repeat(front_pool, k, axis=1)
+        sl = slice(write, write + k * k)
+        pool_tok = pool_tok.at[:, sl].set(cand_tok)
+        pool_par = pool_par.at[:, sl].set(cand_par)
+        pool_depth = pool_depth.at[:, sl].set(d + 1)
+        pool_score = pool_score.at[:, sl].set(cand_score)
+        if d + 1 < D:
+            _, best = jax.lax.top_k(cand_score, k)  # next frontier, as candidate ids
+            front_pool = write + best
+            front_parent_slot = off + best // k
+        write += k * k
+    # Keep the best N-1 drafted nodes. The small depth penalty breaks ties toward parents, so the
+    # kept set stays connected even when a child's log q is exactly 0.
+    rank_key = jnp.where(jnp.arange(P)[None] == 0, -jnp.inf, pool_score - 1e-4 * pool_depth)
+    _, keep = jax.lax.top_k(rank_key, N - 1)
+    keep = jnp.concatenate([jnp.zeros((B, 1), keep.dtype), jnp.sort(keep, axis=1)], axis=1)  # [B, N], topological
+    new_index = jnp.full((B, P), -1, jnp.int32)
+    new_index = jax.vmap(lambda ni, kp: ni.at[kp].set(jnp.arange(N, dtype=jnp.int32)))(new_index, keep)
+    old_par = jnp.take_along_axis(pool_par, keep, axis=1)
+    parents = jnp.where(old_par >= 0, jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), -1)
+    score = jnp.take_along_axis(pool_score, keep, axis=1)
+    tree = TreeBuffers(
+        tokens=jnp.take_along_axis(pool_tok, keep, axis=1),
+        parents=parents,
+        depth=jnp.take_along_axis(pool_depth, keep, axis=1),
+        valid=jnp.isfinite(score) & ((parents >= 0) | (jnp.arange(N)[None] == 0)),
+        score=score,
+        source=jnp.full((B, N), source, jnp.int8))
+    return tree, None, state
