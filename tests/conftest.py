@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random Hugging Face models (Llama, Llama with llama3 RoPE scaling, Llama
+with tied embeddings, Qwen2, Qwen3), built with `transformers`, saved once per session with
+`save_pretrained` (safetensors, float32) and loaded both ways: the torch model (the reference)
+and the specjax model.
+
+Every parameter is re-drawn with O(1) scale before saving (HF's 0.02-std init gives near-uniform
+logits, near-ties everywhere and zero biases): biases and q/k-norm weights are non-zero, so the
+tests see them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+
+VOCAB = 160
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, tie_word_embeddings=False)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+# name -> (HF architecture, config overrides)
+KINDS = {
+    "llama": ("llama", {}),
+    "llama3rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {"use_sliding_window": False}),
+    "qwen3": ("qwen3", {"use_sliding_window": False}),
+}
+
+
+@dataclasses.dataclass
+class Tiny:
+    name: str
+    path: str  # the save_pretrained directory (treat as read-only; copy it to modify)
+    hf: object  # the transformers model (float32, eval mode, eager attention)
+    jx: object  # the specjax model loaded from `path`
+
+    @property
+    def vocab(self) -> int:
+        return self.jx.config.vocab_size
+
+    def hf_logits(self, ids) -> np.ndarray:
+        """Full-sequence logits [T, V] of the HF model on one unpadded sequence."""
+        import torch
+        with torch.no_grad():
+            out = self.hf(input_ids=torch.tensor([list(map(int, ids))], dtype=torch.long))
+        return out.logits[0].float().numpy()
+
+    def hf_last(self, ids) -> np.ndarray:
+        return self.hf_logits(ids)[-1]
+
+
+def _randomise(model, seed: int) -> None:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # all RMSNorms, the q/k norms included
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # Linear weights [out, in]
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[1]))
+
+
+def build_hf_model(kind: str, path: str, seed: int = 0):
+    """Builds a tiny random HF model of `kind`, saves it to `path`, returns the torch model."""
+    import torch
+    import transformers
+    arch, overrides = KINDS[kind]
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    cfg = cfg_cls(**{**TINY, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float().eval()
+    _randomise(model, seed)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(path, safe_serialization=True)
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Tiny]:
+    import torch
+    import transformers
+    import specjax
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)  # tiny models: more threads only spin, and slow everything else down
+    root = tmp_path_factory.mktemp("tiny_hf")
+    out = {}
+    for i, kind in enumerate(KINDS):
+        path = str(root / kind)
+        hf = build_hf_model(kind, path, seed=100 + i)
+        out[kind] = Tiny(kind, path, hf, specjax.load_model(path))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_models) -> Tiny:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen3(tiny_models) -> Tiny:
+    return tiny_models["qwen3"]

@@ -1,0 +1,97 @@
+"""Test helpers shared by the generation tests (and, later, the speculative-decoding tests).
+
+`compare_greedy` tells an honest near-tie from a real mismatch: two greedy decoders may part
+ways where the reference's top-2 logits are within float noise of each other; anywhere else a
+differing token is a bug.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+
+NEAR_TIE_TOL = 1e-4
+
+
+class NearTieWarning(UserWarning):
+    """Two greedy decodings parted at a position where the top logits are within tolerance."""
+
+
+def _rows(tokens) -> list[list[int]]:
+    if len(tokens) and np.ndim(tokens[0]) == 0:  # one sequence, not a batch of them
+        return [[int(t) for t in tokens]]
+    return [[int(t) for t in row] for row in tokens]
+
+
+def compare_greedy(reference_tokens: Sequence, candidate_tokens: Sequence,
+                   logits_fn_for_prefix: Callable[[int, list[int]], np.ndarray],
+                   *, tol: float = NEAR_TIE_TOL) -> tuple[int, int]:
+    """Compares greedy generations row by row.
+
+    reference_tokens, candidate_tokens: one sequence of generated token ids, or a batch (a list
+      of rows); each row holds only the generated tokens (no prompt, no padding).
+    logits_fn_for_prefix(row, generated_prefix) -> [V] reference logits for the token that
+      follows the row's prompt + generated_prefix.
+
+    Returns (n_exact, n_near_tie): rows identical, and rows that part at a position where the
+    reference logits of both tokens are within `tol` of the maximum (an honest near-tie: after it
+    the two continuations cannot be compared). Each near-tie is reported with a NearTieWarning.
+    Raises AssertionError on any other difference, including a length difference.
+    """
+    ref_rows, cand_rows = _rows(reference_tokens), _rows(candidate_tokens)
+    if len(ref_rows) != len(cand_rows):
+        raise AssertionError(f"batch sizes differ: reference {len(ref_rows)} rows, candidate {len(cand_rows)}")
+    n_exact = n_near = 0
+    for row, (ref, cand) in enumerate(zip(ref_rows, cand_rows)):
+        if ref == cand:
+            n_exact += 1
+            continue
+        common = min(len(ref), len(cand))
+        diff = next((i for i in range(common) if ref[i] != cand[i]), None)
+        if diff is None:
+            raise AssertionError(f"row {row}: the generations agree on their first {common} tokens but have "
+                                 f"lengths {len(ref)} (reference) and {len(cand)} (candidate)")
+        logits = np.asarray(logits_fn_for_prefix(row, ref[:diff]), np.float64).reshape(-1)
+        top = float(logits.max())
+        gap_ref, gap_cand = top - logits[ref[diff]], top - logits[cand[diff]]
+        top2 = np.sort(logits)[-2:][::-1]
+        where = (f"row {row}, generated position {diff}: reference token {ref[diff]} (logit gap to max "
+                 f"{gap_ref:.3g}), candidate token {cand[diff]} (gap {gap_cand:.3g}); top-2 logits {top2.tolist()}")
+        if gap_ref <= tol and gap_cand <= tol:
+            n_near += 1
+            msg = f"honest near-tie at {where}"
+            print(msg)
+            warnings.warn(msg, NearTieWarning, stacklevel=2)
+        else:
+            raise AssertionError(f"greedy mismatch at {where}\n  reference: {ref}\n  candidate: {cand}")
+    return n_exact, n_near
+
+
+# Chi-square goodness of fit. scipy is not a dependency of specjax: the critical value at
+# alpha = 1e-6 uses the Wilson–Hilferty approximation, which over-estimates the exact quantile
+# for small df (it errs toward passing; the power tests show wrong rules land far above it).
+ALPHA_Z = 4.753424308822899  # standard normal upper quantile at 1e-6
+
+
+def chi_square(counts, probs, min_expected=5.0):
+    """(statistic, df, critical value at 1e-6). Cells with zero probability must stay empty
+    (any draw there gives an infinite statistic); cells expected below `min_expected` are pooled."""
+    counts = np.asarray(counts, np.float64)
+    probs = np.asarray(probs, np.float64)
+    n = counts.sum()
+    if np.any(counts[probs == 0] > 0):
+        return math.inf, 0, 0.0
+    exp = n * probs[probs > 0]
+    obs = counts[probs > 0]
+    small = exp < min_expected
+    if small.any():
+        exp = np.append(exp[~small], exp[small].sum())
+        obs = np.append(obs[~small], obs[small].sum())
+    df = exp.size - 1
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    if df == 0:
+        return stat, 0, 0.0
+    crit = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, df, crit

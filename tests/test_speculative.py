@@ -1,0 +1,153 @@
+"""Speculative generation: greedy output equals autoregressive greedy output token for token
+(every drafter, chain / static tree / dynamic tree, batch 1 and a ragged batch of 4), one
+compilation per configuration, and clear errors for bad input before anything is traced."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from helpers import compare_greedy
+from specjax import engine
+from specjax.drafters import LMDrafter, NgramDrafter
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+
+VOCAB = 48
+TREES = ["chain=4", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]", "depth=4,topk=3,nodes=12"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    return transformer.init_model(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def noisy_drafter(target):
+    """The target with noise on every weight: it agrees often but not always (partial acceptance)."""
+    draft = transformer.init_model(target.config, seed=0)
+    state = nnx.state(draft, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(9), len(leaves))
+    noisy = [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    nnx.update(draft, jax.tree.unflatten(treedef, noisy))
+    return LMDrafter(draft)
+
+
+@pytest.fixture(scope="module")
+def small_drafter():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    return LMDrafter(transformer.init_model(cfg, seed=5))
+
+
+def _prompts(batch, seed=0, repetitive=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in (7, 23, 12, 40)[:batch]:
+        if repetitive:  # a phrase repeated: prompt lookup has something to find
+            phrase = rng.integers(0, VOCAB, 6).tolist()
+            out.append((phrase * 8)[:n])
+        else:
+            out.append(rng.integers(0, VOCAB, n).tolist())
+    return out
+
+
+def _logits_fn(model, prompts):
+    def fn(row, prefix):
+        ids = jnp.asarray([prompts[row] + list(prefix)], jnp.int32)
+        cache = transformer.init_cache(model, 1, ids.shape[1] + 1)
+        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), cache)
+        return np.asarray(out.logits[0, -1])
+    return fn
+
+
+def _check_exact(target, drafter, tree, batch, repetitive=False, new=32):
+    prompts = _prompts(batch, seed=batch, repetitive=repetitive)
+    ref = specjax.generate(target, prompts, max_new_tokens=new)
+    got = specjax.generate(target, prompts, max_new_tokens=new, drafters=[drafter], tree=tree)
+    n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), _logits_fn(target, prompts))
+    assert n_exact + n_near == batch
+    assert (got.lengths == new).all()
+    return got
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_lm_drafter_greedy_exact_batch4(target, noisy_drafter, tree):
+    got = _check_exact(target, noisy_drafter, tree, batch=4)
+    tau = got.stats["tau"]
+    assert (tau > 1.2).all(), f"the noisy self-drafter should be accepted often: tau {tau}"
+    assert (got.stats["rounds"] < 32).all()
+    # rows accept different lengths: the batch really is ragged in acceptance too
+    assert len(set(got.stats["accepted"].tolist())) > 1
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_ngram_drafter_greedy_exact_batch4(target, tree):
+    got = _check_exact(target, NgramDrafter(), tree, batch=4, repetitive=True)
+    assert got.stats["depth_acceptance"].shape[1] == engine.tree_lib.parse_tree_spec(tree).max_depth
+
+
+def test_independent_small_drafter_batch1(target, small_drafter):
+    _check_exact(target, small_drafter, TREES[1], batch=1)
+
+
+def test_ngram_batch1_chain(target):
+    _check_exact(target, NgramDrafter(max_ngram=3), "chain=6", batch=1, repetitive=True)
+
+
+def test_eos_stops_each_row(target, noisy_drafter):
+    prompts = _prompts(4, seed=4)
+    ref = specjax.generate(target, prompts, max_new_tokens=24)
+    eos = int(ref.sequences()[1][5])  # a token row 1 emits early
+    ar = specjax.generate(target, prompts, max_new_tokens=24, eos_token_id=eos)
+    sp = specjax.generate(target, prompts, max_new_tokens=24, eos_token_id=eos, drafters=[noisy_drafter],
+                          tree=TREES[0])
+    assert sp.sequences() == ar.sequences()
+    assert sp.lengths[1] <= 6 and sp.sequences()[1][-1] == eos
+
+
+def test_one_compilation_per_configuration(target, noisy_drafter):
+    kw = dict(max_new_tokens=16, drafters=[noisy_drafter], tree="chain=3")
+    specjax.generate(target, _prompts(2, seed=1), **kw)
+    before = engine.trace_count()
+    specjax.generate(target, _prompts(2, seed=2), **kw)  # other prompts, same bucket
+    specjax.generate(target, _prompts(2, seed=1), temperature=0.8, **kw)
+    specjax.generate(target, _prompts(2, seed=1), temperature=0.5, top_k=5, seed=3, **kw)
+    assert engine.trace_count() == before + 1  # greedy -> sampling is one new program; values are traced
+
+
+def test_sampling_is_reproducible(target, noisy_drafter):
+    kw = dict(max_new_tokens=16, drafters=[noisy_drafter], tree=TREES[1], temperature=1.0)
+    a = specjax.generate(target, _prompts(2), seed=1, **kw)
+    b = specjax.generate(target, _prompts(2), seed=1, **kw)
+    c = specjax.generate(target, _prompts(2), seed=2, **kw)
+    assert a.sequences() == b.sequences() and a.sequences() != c.sequences()
+
+
+def test_bad_input_is_refused_before_tracing(target, noisy_drafter):
+    before = engine.trace_count()
+    other_vocab = LMDrafter(transformer.init_model(ModelConfig(vocab_size=VOCAB + 1, hidden_size=32,
+                            intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)))
+    p = _prompts(1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        specjax.generate(target, p, drafters=[other_vocab])
+    with pytest.raises(ValueError, match="capacity"):
+        specjax.generate(target, p, max_new_tokens=8, drafters=[noisy_drafter], tree="chain=8", capacity=20)
+    with pytest.raises(ValueError, match="malformed"):
+        specjax.generate(target, p, drafters=[noisy_drafter], tree="[[0],[2]]")
+    with pytest.raises(ValueError, match="temperature"):
+        specjax.generate(target, p, drafters=[noisy_drafter], temperature=-0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        specjax.generate(target, p, drafters=[noisy_drafter], verify="sampled")
+    with pytest.raises(ValueError, match="unknown verification"):
+        specjax.generate(target, p, drafters=[noisy_drafter], verify="lenient", temperature=1.0)
+    with pytest.raises(ValueError, match="deterministic"):
+        specjax.generate(target, p, drafters=[NgramDrafter()], verify="sampled", temperature=1.0)
+    with pytest.raises(ValueError, match="static tree"):
+        specjax.generate(target, p, drafters=[noisy_drafter], verify="sampled", temperature=1.0,
+                         tree="depth=3,topk=2,nodes=5")
+    assert engine.trace_count() == before
