@@ -80,8 +80,12 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
     if not os.path.isfile(path):
         raise UsageError(f"--prompt-file {path}: no such file")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path}:{n}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:

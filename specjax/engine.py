@@ -257,10 +257,15 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
                                draft_probs_BxNxV=prop.probs)
         active = ~done_B
         keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
+        features = None
+        if layers:  # target features along the accepted path, for feature drafters
+            feats_BxNxF = jnp.concatenate(tout.hidden, axis=-1)
+            features = jnp.take_along_axis(feats_BxNxF, vd.path[..., None], axis=1)
         committed = Committed(
             tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1),
             count=keep_B,
             positions=cache.length[:, None] + jnp.arange(D + 1)[None],
+            features=features,
         )
         cache = kvcache.commit_path(tout.cache, vd.path, keep_B)
         dstate = drafter.commit(prop.state, committed)

@@ -74,7 +74,7 @@ def path_to(tree: TreeBuffers, node_B, max_depth: int) -> Int[Array, "B D+1"]:
     """Root-to-node path as node ids, padded with the node itself past its depth."""
     B = node_B.shape[0]
     depth_B = jnp.take_along_axis(tree.depth, node_B[:, None], axis=1)[:, 0]
-    path = jnp.zeros((B, max_depth + 1), jnp.int32)
+    path = jnp.broadcast_to(node_B[:, None], (B, max_depth + 1)).astype(jnp.int32)
 
     def step(k, carry):
         path, cur = carry
@@ -248,9 +248,11 @@ def _children_tokens(key, logq_BxFxV, count: int, mode: str):
 def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", source: int = 0):
     """Builds a draft tree depth by depth.
 
-    `evaluate(state, tokens_BxF, positions_depth, offset, mask_BxFxS) -> (logq_BxFxV, state)` runs
-    the drafter on F new nodes placed at scratch slots `offset .. offset+F-1`, each seeing the
-    scratch slots [0, S) marked in `mask` (its ancestors and itself). Returns
+    `evaluate(state, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF) -> (logq_BxFxV, state)`
+    runs the drafter on F new nodes of one depth placed at scratch slots `offset .. offset+F-1`,
+    each seeing the scratch slots [0, S) marked in `mask` (its ancestors and itself);
+    `parent_slot` is the scratch slot of each node's parent (-1 for the root), for drafters that
+    feed a node's own hidden state to its children (EAGLE). Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
     if isinstance(spec, StaticTree):
@@ -271,7 +273,8 @@ def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source)
     for d in range(D):
         s, e, ce = starts[d], starts[d + 1], starts[d + 2]  # nodes at depth d: [s, e); children: [e, ce)
         mask = jnp.broadcast_to(jnp.asarray(anc[s:e, :e]), (B, e - s, e))
-        logq, state = evaluate(state, tokens[:, s:e], d, s, mask)  # [B, F, V]
+        parent_slot = jnp.broadcast_to(jnp.asarray(parents[s:e]), (B, e - s))  # slot == node id here
+        logq, state = evaluate(state, tokens[:, s:e], d, s, mask, parent_slot)  # [B, F, V]
         if probs is None:
             probs = jnp.zeros((B, N, logq.shape[-1]), jnp.float32)
         probs = probs.at[:, s:e].set(jnp.exp(logq))
@@ -302,7 +305,7 @@ def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):
     pool_score = jnp.zeros((B, P), jnp.float32)
     # Ancestor-or-self mask over evaluated scratch slots; slot 0 is the root.
     eval_anc = jnp.zeros((B, E, E), bool).at[:, 0, 0].set(True)
-    logq, state = evaluate(state, root_B[:, None], 0, 0, eval_anc[:, :1, :1])
+    logq, state = evaluate(state, root_B[:, None], 0, 0, eval_anc[:, :1, :1], jnp.full((B, 1), -1, jnp.int32))
     top_v, top_t = jax.lax.top_k(logq[:, 0], k)  # [B, k]
     pool_tok = pool_tok.at[:, 1:1 + k].set(top_t)
     pool_par = pool_par.at[:, 1:1 + k].set(0)
@@ -319,7 +322,7 @@ def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):
         eval_anc = eval_anc.at[:, off:off + k].set(rows)
         f_tok = jnp.take_along_axis(pool_tok, front_pool, axis=1)
         f_score = jnp.take_along_axis(pool_score, front_pool, axis=1)
-        logq, state = evaluate(state, f_tok, d, off, eval_anc[:, off:off + k, :off + k])
+        logq, state = evaluate(state, f_tok, d, off, eval_anc[:, off:off + k, :off + k], front_parent_slot)
         top_v, top_t = jax.lax.top_k(logq, k)  # [B, k, k]
         cand_score = (f_score[..., None] + top_v).reshape(B, k * k)
         cand_tok = top_t.reshape(B, k * k)

@@ -43,7 +43,7 @@ def _toy_evaluate(V):
     """A fixed 'drafter' whose q depends on (token, depth): deterministic and easy to check."""
     table = jax.nn.log_softmax(jax.random.normal(jax.random.key(3), (V, 8, V)) * 3, axis=-1)
 
-    def evaluate(state, tokens_BxF, depth, offset, mask):
+    def evaluate(state, tokens_BxF, depth, offset, mask, parent_slot):
         assert mask.shape[1] == tokens_BxF.shape[1] and mask.shape[2] == offset + tokens_BxF.shape[1]
         return table[tokens_BxF, depth], state
     return evaluate, table

@@ -32,7 +32,7 @@ class LMDrafter(nnx.Module):
         return transformer.prefill(self.model, prompt_BxP, lengths_B, cache).cache
 
     def propose(self, cache, root_B, ctx: DraftContext) -> Proposal:
-        def evaluate(cache, tokens_BxF, depth, offset, mask_BxFxS):
+        def evaluate(cache, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
             B, F = tokens_BxF.shape
             pos = jnp.broadcast_to(cache.length[:, None] + depth, (B, F))
             out = transformer.forward(self.model, tokens_BxF, pos, cache, mask_BxFxS,

@@ -55,11 +55,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        E, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(E, F, bias=False, rngs=rngs, dtype=cfg.dtype)
-        self.up_proj = Linear(E, F, bias=False, rngs=rngs, dtype=cfg.dtype)
-        self.down_proj = Linear(F, E, bias=False, rngs=rngs, dtype=cfg.dtype)
+    def __init__(self, E: int, F: int, *, rngs: nnx.Rngs, dtype):
+        self.gate_proj = Linear(E, F, bias=False, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(E, F, bias=False, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(F, E, bias=False, rngs=rngs, dtype=dtype)
 
 
 class Layer(nnx.Module):
@@ -67,7 +66,7 @@ class Layer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=cfg.dtype)
 
 
 class Model(nnx.Module):
@@ -150,7 +149,7 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T 
 
 
 def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache, visible_BxTxC,
-                  offset_B=None):
+                  offset_B=None, attention=None):
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -162,7 +161,10 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = kvcache.write(cache, idx, k, v, offset_B)
-    o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
+    if attention is None:
+        o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
+    else:  # a kernel (see set_attention_impl): attention(q, cache, layer index) -> [B, T, H, D]
+        o = attention(q, cache, idx)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
     h = rms_norm(layer.post_attention_layernorm, x_BxTxE)
     mlp = layer.mlp
@@ -202,15 +204,47 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     cfg = model.config
     x = embed(model, tokens_BxT)
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    visible = kvcache.visible_mask(cache, block_mask_BxTxS)
+    impl = getattr(model, "attention_impl", "jnp")
+    if impl == "jnp":
+        visible, attention = kvcache.visible_mask(cache, block_mask_BxTxS), None
+    else:
+        visible, attention = None, _kernel_attention(impl, block_mask_BxTxS)
     hidden = {}
     for i, layer in enumerate(model.layers):
-        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible, offset_B)
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible, offset_B, attention=attention)
         if i in hidden_layers:
             hidden[i] = x
     h = rms_norm(model.norm, x)
     return ForwardOutput(logits=lm_head(model, h), cache=cache,
                          hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=h)
+
+
+ATTENTION_IMPLS = ("jnp", "auto", "pallas", "interpret", "reference")
+
+
+def set_attention_impl(model: Model, impl: str) -> Model:
+    """Selects how `forward` computes attention for this model (returns the model, changed in place):
+    "jnp" (the default: `attend` over `kvcache.visible_mask`), or the Pallas tree-attention kernel
+    via `pallas_kernels.ops.tree_attention` with impl "auto" (Triton on NVIDIA GPUs, interpret mode
+    on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
+    so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
+    changes."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    model.attention_impl = impl
+    return model
+
+
+def _kernel_attention(impl: str, block_mask_BxTxS):
+    from pallas_kernels import ops  # only models that select a kernel import Pallas
+
+    bits_BxTxW = ops.pack_mask(block_mask_BxTxS)  # once per forward, shared by every layer
+
+    def attention(q_BxTxHxD, cache: KVCache, idx: int):
+        # The whole [L, B, C, K, D] cache goes in with a static layer: no per-layer slice copy.
+        return ops.tree_attention(q_BxTxHxD, cache.k, cache.v, cache.length, bits_BxTxW, layer=idx, impl=impl)
+
+    return attention
 
 
 def causal_mask(batch: int, T: int, lengths_B=None) -> BlockMask:

@@ -1,0 +1,275 @@
+"""`feature`: an EAGLE-3 style drafter. One decoder layer over
+`concat(norm(embed(token)), norm(feature))`, where the feature is `fc(concat of the target's hidden
+states at a low, a middle and a high layer)` for the entry anchored on a committed position, and
+the drafter's own output hidden state for the entries it drafts after that. It shares the target's
+embedding and LM head (neither is trained).
+
+Entry p of the drafter's cache is (feature of position p, token p+1) and predicts token p+2, so the
+drafter's committed length is always the target's minus one; `last_feature` holds the target
+feature of the last committed position, which anchors the next round's root entry.
+
+The same layer functions serve drafting (with a KV cache) and training with training-time test
+(`ttt_logits`: several unrolled draft steps per anchor, each seeing the true entries up to its
+anchor and its own chain).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import kvcache, sampling, tree as tree_lib
+from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax.kvcache import KVCache
+from specjax.models import transformer
+from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
+from specjax.typing import Array, Float
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    hidden_size: int  # = the target's (the LM head is shared)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layers: tuple[int, ...]  # target layer outputs fused by `fc` (low, middle, high)
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+
+    @classmethod
+    def for_target(cls, target_cfg, target_layers=None, intermediate_size=None) -> "FeatureConfig":
+        L = target_cfg.num_layers
+        layers = tuple(target_layers) if target_layers is not None else tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
+        return cls(hidden_size=target_cfg.hidden_size, num_heads=target_cfg.num_heads,
+                   num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
+                   intermediate_size=intermediate_size or target_cfg.intermediate_size,
+                   target_layers=layers, vocab_size=target_cfg.vocab_size, rms_norm_eps=target_cfg.rms_norm_eps)
+
+
+class FeatureHead(nnx.Module):
+    """The trainable part of the drafter."""
+
+    def __init__(self, cfg: FeatureConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.config = cfg
+        self.fc = Linear(len(cfg.target_layers) * E, E, bias=False, rngs=rngs, dtype=dtype)
+        self.embed_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.q_proj = Linear(2 * E, H * D, bias=False, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(2 * E, K * D, bias=False, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(2 * E, K * D, bias=False, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(H * D, E, bias=False, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(E, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        self.norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+
+
+# ----------------------------------------------------------------------------- layer functions
+
+def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT):
+    """Projections of the entries (token, feature x); RoPE as the target's."""
+    cfg = head.config
+    B, T = tokens_BxT.shape
+    h = jnp.concatenate([rms_norm(head.embed_norm, transformer.embed(target, tokens_BxT)),
+                         rms_norm(head.hidden_norm, x_BxTxE)], axis=-1)  # [B, T, 2E]
+    q = linear(head.q_proj, h).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = linear(head.k_proj, h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(head.v_proj, h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    cos, sin = transformer.rope_cos_sin(target.config, positions_BxT)
+    return transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin), v
+
+
+def finish(head: FeatureHead, target: Model, x_BxTxE, attn_BxTxHxD):
+    """Residual, MLP, and logits through the target's head. Returns (hidden out, logits)."""
+    B, T = x_BxTxE.shape[:2]
+    x = x_BxTxE + linear(head.o_proj, attn_BxTxHxD.reshape(B, T, -1))
+    h = rms_norm(head.post_attention_layernorm, x)
+    x = x + linear(head.mlp.down_proj, jax.nn.silu(linear(head.mlp.gate_proj, h)) * linear(head.mlp.up_proj, h))
+    return x, transformer.lm_head(target, rms_norm(head.norm, x))
+
+
+def fuse(head: FeatureHead, features_BxTxF):
+    return linear(head.fc, features_BxTxF)
+
+
+def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None):
+    """One drafter pass over T entries with a KV cache (drafting and commit)."""
+    q, k, v = qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT)
+    cache = kvcache.write(cache, 0, k, v, offset_B)
+    attn = transformer.attend(q, cache.k[0], cache.v[0], kvcache.visible_mask(cache, mask_BxTxS))
+    x, logits = finish(head, target, x_BxTxE, attn)
+    return x, logits, cache
+
+
+def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, steps: int):
+    """Training-time test over a packed sequence: logits [steps, B, T, V].
+
+    Step 1 at anchor a is the entry (feature a, token a+1); step k > 1 is (own hidden of step k-1
+    at the same anchor, token a+k), at position a+k-1, and sees the step-1 entries up to a plus its
+    own chain (steps 2..k at anchor a). Step k at anchor a predicts token a+k+1. Token inputs past
+    the end are clamped; their losses must be masked by the caller.
+    """
+    B, T = tokens_BxT.shape
+    cfg = head.config
+    G = cfg.num_heads // cfg.num_kv_heads
+    idx = jnp.arange(T)
+    causal = idx[None, :] <= idx[:, None]  # [T(query a), T(key p)]: p <= a
+    x = fuse(head, features_BxTxF)
+    keys, values, out = [], [], []
+    for k in range(1, steps + 1):
+        tok = jnp.take(tokens_BxT, jnp.minimum(idx + k, T - 1), axis=1)  # token a+k
+        pos = jnp.broadcast_to(idx + k - 1, (B, T))
+        q, kk, vv = qkv(head, target, tok, x, pos)  # [B, T, H|K, D]
+        keys.append(kk)
+        values.append(vv)
+        qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
+        s1 = jnp.einsum("btkgd,bskd->bkgts", qg, keys[0]) / math.sqrt(cfg.head_dim)
+        s1 = jnp.where(causal[None, None, None], s1, -jnp.inf)
+        diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj)[..., None] / math.sqrt(cfg.head_dim) for kj in keys[1:]]
+        s = jnp.concatenate([s1] + diag, axis=-1)  # [B, K, G, T, T + k - 1]
+        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(vv.dtype)
+        o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T], values[0])
+        for j, vj in enumerate(values[1:]):
+            o = o + p[..., T + j][..., None].transpose(0, 3, 1, 2, 4) * vj[:, :, :, None, :]
+        x, logits = finish(head, target, x, o.reshape(B, T, cfg.num_heads, cfg.head_dim))
+        out.append(logits)
+    return jnp.stack(out)
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureState:
+    cache: KVCache  # one layer; length = target length - 1
+    last_feature: Float[Array, "B F"]  # target feature at the last committed position
+    scratch: Float[Array, "B S E"]  # own hidden state of each evaluated tree node, by scratch slot
+
+
+def target_features(out: transformer.ForwardOutput):
+    return jnp.concatenate(out.hidden, axis=-1)
+
+
+class FeatureDrafter(nnx.Module):
+    name = "feature"
+
+    def __init__(self, head: FeatureHead, target: Model):
+        if head.config.vocab_size != target.config.vocab_size or head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"feature drafter was built for vocab {head.config.vocab_size} / width "
+                             f"{head.config.hidden_size}, the target has {target.config.vocab_size} / "
+                             f"{target.config.hidden_size}")
+        if max(head.config.target_layers) >= target.config.num_layers:
+            raise ValueError(f"feature drafter reads target layers {head.config.target_layers} but the target "
+                             f"has {target.config.num_layers}")
+        self.head = head
+        self.target = target  # shared: embedding and LM head
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.config.vocab_size
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.head.config.target_layers
+
+    def _empty_cache(self, B, capacity):
+        c = self.head.config
+        return kvcache.init(1, B, capacity, c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype)
+
+    def init(self, prompt_BxP, lengths_B, capacity, target_out) -> FeatureState:
+        B, P = prompt_BxP.shape
+        feats = target_features(target_out)  # [B, P, F]
+        # entries p = 0 .. len-2: (feature p, token p+1)
+        tokens = jnp.concatenate([prompt_BxP[:, 1:], jnp.zeros((B, 1), prompt_BxP.dtype)], axis=1)
+        n_B = lengths_B - 1
+        cache = self._empty_cache(B, capacity)
+        pos = jnp.broadcast_to(jnp.arange(P)[None], (B, P))
+        _, _, cache = step(self.head, self.target, tokens, fuse(self.head, feats), pos, cache,
+                           transformer.causal_mask(B, P, n_B))
+        last = jnp.take_along_axis(feats, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        return FeatureState(kvcache.set_length(cache, n_B), last, jnp.zeros((B, 1, self.head.config.hidden_size)))
+
+    def propose(self, state: FeatureState, root_B, ctx: DraftContext) -> Proposal:
+        spec = ctx.spec
+        evaluated = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
+        B = root_B.shape[0]
+        scratch = jnp.zeros((B, evaluated, self.head.config.hidden_size), self.head.fc.weight.dtype)
+
+        def evaluate(st, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
+            cache, scratch = st
+            F = tokens_BxF.shape[1]
+            if depth == 0:
+                x_in = fuse(self.head, state.last_feature)[:, None]
+            else:
+                x_in = jnp.take_along_axis(scratch, jnp.maximum(parent_slot_BxF, 0)[..., None], axis=1)
+            pos = jnp.broadcast_to(cache.length[:, None] + depth, (B, F))
+            x_out, logits, cache = step(self.head, self.target, tokens_BxF, x_in, pos, cache, mask_BxFxS,
+                                        jnp.full((B,), offset, jnp.int32))
+            scratch = jax.lax.dynamic_update_slice_in_dim(scratch, x_out, offset, axis=1)
+            logq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
+            return logq, (cache, scratch)
+
+        tree, probs, (cache, _) = tree_lib.expand(spec, root_B, evaluate, (state.cache, scratch), ctx.key, mode=ctx.mode)
+        return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache))
+
+    def commit(self, state: FeatureState, committed: Committed) -> FeatureState:
+        B, T = committed.tokens.shape
+        feats = committed.features  # [B, T, F] target features at root, a1, .., a_n
+        x_in = fuse(self.head, jnp.concatenate([state.last_feature[:, None], feats[:, :-1]], axis=1))
+        pos = state.cache.length[:, None] + jnp.arange(T)[None]
+        _, _, cache = step(self.head, self.target, committed.tokens, x_in, pos, state.cache,
+                           transformer.causal_mask(B, T, committed.count))
+        last = jnp.take_along_axis(feats, jnp.maximum(committed.count - 1, 0)[:, None, None], axis=1)[:, 0]
+        last = jnp.where((committed.count > 0)[:, None], last, state.last_feature)
+        return FeatureState(kvcache.advance(cache, committed.count), last, state.scratch)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_feature_head(head: FeatureHead, path: str) -> None:
+    """`drafter_config.json` + `model.safetensors` of the head only (the target is not copied)."""
+    from safetensors.numpy import save_file
+    import numpy as np
+    os.makedirs(path, exist_ok=True)
+    flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
+    tensors = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
+    cfg = dataclasses.asdict(head.config)
+    with open(os.path.join(path, "drafter_config.json"), "w") as f:
+        json.dump({"drafter": "feature", **cfg}, f, indent=2)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def load_feature_head(path: str, dtype=jnp.float32) -> FeatureHead:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    cfg_file = os.path.join(path, "drafter_config.json")
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"{cfg_file}: not a feature-drafter directory")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    if raw.pop("drafter", None) != "feature":
+        raise ValueError(f"{cfg_file}: not a feature drafter")
+    raw["target_layers"] = tuple(raw["target_layers"])
+    cfg = FeatureConfig(**raw)
+    head = nnx.eval_shape(lambda: FeatureHead(cfg, nnx.Rngs(0), dtype))
+    file = os.path.join(path, "model.safetensors")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{file}: corrupt safetensors file ({e})") from None
+    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
+    for key, var in flat.items():
+        name = ".".join(map(str, key))
+        if name not in tensors:
+            raise ValueError(f"{file}: missing tensor {name!r}")
+        if tuple(tensors[name].shape) != tuple(var.get_value().shape):
+            raise ValueError(f"{file}: tensor {name!r} has shape {tensors[name].shape}, expected {var.get_value().shape}")
+        var.set_value(jnp.asarray(tensors[name].astype("float32"), dtype))
+    nnx.update(head, nnx.from_flat_state(flat))
+    return head

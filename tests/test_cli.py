@@ -1,0 +1,194 @@
+"""`python -m specjax generate`: output fields, batches from a JSONL file, agreement with
+`specjax.generate`, EOS from the config, and usage errors (exit status 2, one message, no traceback).
+
+Runs the CLI in-process through `main(argv)` (one subprocess smoke test checks `python -m specjax`)
+on a tiny random model with a byte-level BPE tokenizer trained here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tokenizers import ByteLevelBPETokenizer
+
+import specjax
+from specjax.cli import main
+
+N = 8  # one max_new_tokens everywhere, so the tests share compiled programs
+EOS = "<|endoftext|>"
+CORPUS = ["def add(a, b):\n    return a + b\n", "hello world, hello specjax", "import numpy as np\n",
+          "for i in range(10):\n    print(i)\n"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS * 10, vocab_size=300, special_tokens=[EOS], show_progress=False)
+    cfg = specjax.ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                              eos_token_id=tok.token_to_id(EOS), max_position_embeddings=96)
+    path = str(tmp_path_factory.mktemp("tiny"))
+    specjax.save_model(specjax.init_model(cfg, seed=0), path, tokenizer=tok)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return specjax.load_model(model_dir), specjax.load_tokenizer(model_dir)
+
+
+def run_json(capsys, *argv) -> list[dict]:
+    assert main(["generate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def write_jsonl(path, lines) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_json_fields_and_greedy_matches_generate(capsys, model_dir, loaded):
+    model, tok = loaded
+    [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
+                     "--ignore-eos")
+    ids = tok.encode("def add(a, b):").ids
+    assert row["prompt"] == "def add(a, b):"
+    assert row["prompt_ids"] == ids and row["prompt_tokens"] == len(ids)
+    ref = specjax.generate(model, [ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    assert row["tokens"] == ref and len(ref) == N
+    assert row["text"] == tok.decode(ref)
+    assert row["finish_reason"] == "length" and row["batch_size"] == 1 and row["index"] == 0
+    for key in ("ms_per_token", "compile_s", "wall_s"):
+        assert isinstance(row[key], float) and row[key] >= 0
+    assert row["compile_s"] <= row["wall_s"] + 1e-3
+
+
+def test_prompt_file_runs_one_batch(capsys, tmp_path, model_dir, loaded):
+    model, tok = loaded
+    prompts = ["hello", "import numpy as np", "for i in range(10):\n    print(i)"]
+    f = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": p, "id": i}) for i, p in enumerate(prompts)]
+                    [:2] + [""] + [json.dumps({"prompt": prompts[2]})])  # a blank line is skipped
+    rows = run_json(capsys, "--model", model_dir, "--prompt-file", f, "--max-new-tokens", str(N))
+    assert [r["prompt"] for r in rows] == prompts and [r["index"] for r in rows] == [0, 1, 2]
+    ids = [tok.encode(p).ids for p in prompts]
+    ref = specjax.generate(model, ids, max_new_tokens=N).sequences()  # EOS from the config
+    assert [r["tokens"] for r in rows] == ref
+    assert all(r["batch_size"] == 3 for r in rows)
+    assert len({(r["wall_s"], r["compile_s"]) for r in rows}) == 1  # timing is per batch
+
+
+def test_sampling_is_deterministic_per_seed(capsys, model_dir, loaded):
+    model, tok = loaded
+    argv = ["--model", model_dir, "--prompt", "hello world", "--max-new-tokens", str(N), "--ignore-eos",
+            "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--seed", "7"]
+    a, b = run_json(capsys, *argv), run_json(capsys, *argv, "--warmup")
+    assert a[0]["tokens"] == b[0]["tokens"] and b[0]["warmup"] is True
+    ref = specjax.generate(model, [tok.encode("hello world").ids], max_new_tokens=N, eos_token_id=(),
+                           temperature=1.5, top_k=50, top_p=0.95, seed=7).sequences()[0]
+    assert a[0]["tokens"] == ref
+
+
+def test_eos_defaults_to_config(capsys, tmp_path, model_dir):
+    [free] = run_json(capsys, "--model", model_dir, "--prompt", "hello", "--max-new-tokens", str(N), "--ignore-eos")
+    # A copy of the model whose config's EOS is the third greedy token: generation stops there.
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(model_dir, eos_dir)
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    cfg["eos_token_id"] = free["tokens"][2]
+    (eos_dir / "config.json").write_text(json.dumps(cfg))
+    [row] = run_json(capsys, "--model", str(eos_dir), "--prompt", "hello", "--max-new-tokens", str(N))
+    stop = free["tokens"].index(cfg["eos_token_id"])
+    assert row["tokens"] == free["tokens"][: stop + 1] and row["finish_reason"] == "eos"
+    [row] = run_json(capsys, "--model", str(eos_dir), "--prompt", "hello", "--max-new-tokens", str(N), "--ignore-eos")
+    assert row["tokens"] == free["tokens"] and row["finish_reason"] == "length"
+
+
+def test_text_output(capsys, tmp_path, model_dir, loaded):
+    model, tok = loaded
+    assert main(["generate", "--model", model_dir, "--prompt", "hello", "--max-new-tokens", str(N), "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    ref = specjax.generate(model, [tok.encode("hello").ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    assert out == tok.decode(ref) + "\n"
+    assert "ms/token" in err and "compile" in err
+    f = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": p}) for p in ("a", "b", "c")])
+    assert main(["generate", "--model", model_dir, "--prompt-file", f, "--max-new-tokens", str(N)]) == 0
+    out = capsys.readouterr().out
+    assert "=== [0] ===" in out and "=== [2] ===" in out
+
+
+BAD_LINES = {
+    "bad_json": (['{"prompt": "ok"}', '{"prompt": "unterminated'], "p.jsonl:2: not valid JSON"),
+    "not_object": (['{"prompt": "ok"}', '{"prompt": "ok"}', '["prompt"]'], "p.jsonl:3: expected a JSON object"),
+    "missing_key": (['{"text": "x"}'], 'p.jsonl:1: missing "prompt" key'),
+    "not_string": (['{"prompt": 3}'], 'p.jsonl:1: "prompt" must be a string'),
+    "empty_prompt": (['{"prompt": "ok"}', '{"prompt": ""}'], "p.jsonl:2: empty prompt"),
+    "no_prompts": ([""], "no prompts in the file"),
+}
+
+
+def expect_usage_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "specjax generate: error:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+def test_prompt_file_not_utf8(capsys, tmp_path, model_dir):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "a BOM is fine"}\n{"prompt": "\xff"}\n')
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt-file", str(f)], "p.jsonl:2: not valid UTF-8")
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_prompt_file_errors(capsys, tmp_path, model_dir, case):
+    lines, message = BAD_LINES[case]
+    f = write_jsonl(tmp_path / "p.jsonl", lines)
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt-file", f], message)
+
+
+def test_usage_errors(capsys, tmp_path, model_dir):
+    missing = str(tmp_path / "nope")
+    expect_usage_error(capsys, ["--model", missing, "--prompt", "hi"], f"--model {missing}: no such directory")
+    (tmp_path / "empty").mkdir()
+    expect_usage_error(capsys, ["--model", str(tmp_path / "empty"), "--prompt", "hi"], "no config.json")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt-file", missing], "no such file")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", ""], "--prompt: empty prompt")
+    # max_position_embeddings is 96: 1 + 96 does not fit, and neither does an explicit --capacity.
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "a", "--max-new-tokens", "96"],
+                       "prompt too long for the cache")
+    f = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": "hello"}), json.dumps({"prompt": "x" * 200})])
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt-file", f, "--max-new-tokens", "4"],
+                       "p.jsonl:2: prompt too long for the cache")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hello", "--max-new-tokens", "20",
+                                "--capacity", "16"], "--capacity 16")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--max-new-tokens", "0"],
+                       "--max-new-tokens must be a positive integer")
+    expect_usage_error(capsys, ["--model", model_dir], "one of the arguments --prompt --prompt-file is required")
+
+
+def test_corrupt_model_is_a_usage_error(capsys, tmp_path, model_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    expect_usage_error(capsys, ["--model", str(bad), "--prompt", "hi"], "cannot load the model")
+
+
+def test_python_dash_m_smoke(model_dir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax", "generate", "--model", model_dir, "--prompt", "hello",
+                           "--max-new-tokens", "4", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    [row] = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(row["tokens"]) == 4
+    proc = subprocess.run([sys.executable, "-m", "specjax", "generate", "--model", "/nonexistent/dir", "--prompt", "x"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
