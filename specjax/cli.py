@@ -59,6 +59,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="run the batch once untimed first, so ms_per_token is the steady state "
                         "(compile_s then reports the warm-up's compilation)")
+    p.add_argument("--drafter", action="append", default=[], metavar="DIR|ngram",
+                   help="speculative decoding with this drafter: 'ngram' (prompt lookup), a feature-drafter "
+                        "directory, or a small model directory with the same tokenizer")
+    p.add_argument("--tree", default=None, metavar="SPEC",
+                   help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', or a JSON path list "
+                        "'[[0],[1],[0,0]]' (default chain=4)")
+    p.add_argument("--verify", default=None, choices=["greedy", "deterministic", "sampled", "sampled_noreplace"],
+                   help="verification rule (default: greedy at temperature 0, deterministic otherwise)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line instead of plain text")
 
@@ -176,6 +184,13 @@ def run_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load the model: {e}") from None
     cfg = model.config
+    try:
+        from specjax.drafters import load_drafter
+        drafters = [load_drafter(d, model) for d in args.drafter]
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--drafter: {e}") from None
+    if len(drafters) > 1:
+        raise UsageError("--drafter: several drafters share one tree only under TreeGraft (not available yet)")
 
     prompts = [s for _, s in sources]
     ids = [tokenizer.encode(s).ids for s in prompts]
@@ -191,6 +206,10 @@ def run_generate(args: argparse.Namespace) -> int:
     eos = () if args.ignore_eos else None  # None: the model config's eos_token_id
     eos_ids = set() if args.ignore_eos else set(cfg.eos_ids)
     kwargs = dict(generate_kwargs(args), eos_token_id=eos)
+    if drafters:
+        kwargs.update(drafters=drafters, tree=args.tree, verify=args.verify)
+    elif args.tree is not None or args.verify is not None:
+        raise UsageError("--tree and --verify need a --drafter")
     try:
         if args.warmup:  # compiles (timed) and runs once; the reported run is the second
             with compile_timer() as timing:
@@ -224,6 +243,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "compile_s": round(compile_s, 4),
                 "wall_s": round(wall, 4),
                 "warmup": bool(args.warmup),
+                **spec_stats(result, i),
             }, ensure_ascii=False), flush=True)
     else:
         for i, s in enumerate(seqs):
@@ -234,6 +254,16 @@ def run_generate(args: argparse.Namespace) -> int:
               f"{ms_per_token:.2f} ms/token, compile {compile_s:.2f} s, wall {wall:.2f} s",
               file=sys.stderr)
     return 0
+
+
+def spec_stats(result, row: int) -> dict:
+    """Per-prompt speculative statistics for --json (empty for autoregressive runs)."""
+    if "tau" not in result.stats:
+        return {}
+    st = result.stats
+    return {"tau": round(float(st["tau"][row]), 4), "rounds": int(st["rounds"][row]),
+            "accepted": int(st["accepted"][row]),
+            "depth_acceptance": [round(float(x), 4) for x in st["depth_acceptance"][row]]}
 
 
 def generate_kwargs(args: argparse.Namespace) -> dict:

@@ -192,3 +192,27 @@ def test_python_dash_m_smoke(model_dir):
     proc = subprocess.run([sys.executable, "-m", "specjax", "generate", "--model", "/nonexistent/dir", "--prompt", "x"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_speculative_flags(capsys, model_dir, loaded):
+    """--drafter (a model directory, and ngram) with --tree: same greedy tokens, plus tau stats."""
+    model, tok = loaded
+    ids = tok.encode("def add(a, b):").ids
+    ref = specjax.generate(model, [ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
+                     "--ignore-eos", "--drafter", model_dir, "--tree", "[[0],[1],[0,0]]")
+    assert row["tokens"] == ref
+    assert row["tau"] == pytest.approx(3.0)  # the model drafting for itself: every draft accepted
+    assert len(row["depth_acceptance"]) == 2 and row["rounds"] >= 1
+    [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
+                     "--ignore-eos", "--drafter", "ngram", "--tree", "chain=3")
+    assert row["tokens"] == ref and row["tau"] >= 1.0
+
+
+def test_speculative_usage_errors(capsys, model_dir):
+    base = ["--model", model_dir, "--prompt", "x"]
+    expect_usage_error(capsys, base + ["--drafter", "nowhere"], "no such directory")
+    expect_usage_error(capsys, base + ["--drafter", "ngram", "--tree", "[[1]]"], "malformed")
+    expect_usage_error(capsys, base + ["--tree", "chain=2"], "need a --drafter")
+    expect_usage_error(capsys, base + ["--drafter", "ngram", "--verify", "sampled", "--temperature", "1"],
+                       "deterministic")
