@@ -1,0 +1,202 @@
+"""The LM training script on a tiny model and a tiny corpus: learning, exact resume, refusals,
+and an export that specjax and transformers load to the same logits."""
+import collections
+import dataclasses
+import itertools
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer
+
+from specjax.checkpoint import load_model
+from specjax.models.transformer import init_cache, prefill
+from train import corpus, data, eval_ppl, lm
+from train.tokenizer import EOT_ID, train_tokenizer
+
+FULL_STEPS = 30  # 20 at seq 16, then 10 at seq 32 in micro-batches of 2
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """A fake stdlib of real stdlib files (any Python version), its manifest, a 300-token tokenizer."""
+    base = tmp_path_factory.mktemp("zoo")
+    src, root = corpus.stdlib_root(), base / "lib"
+    want, have = {"train": 24, "validation": 3, "test": 2}, collections.Counter()
+    for rel in corpus.list_files(src):
+        split, size = corpus.split_of(rel), (src / rel).stat().st_size
+        if "/" not in rel and 2_000 < size < 30_000 and have[split] < want[split]:
+            try:
+                text = (src / rel).read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text, encoding="utf-8")
+            have[split] += 1
+    assert have == collections.Counter(want)
+    manifest = base / "manifest.json"
+    corpus.write_manifest(corpus.scan(root), manifest)
+    tok = train_tokenizer(corpus.iter_texts("train", corpus.read_manifest(manifest), root), vocab_size=300)
+    tok.save(str(base / "tokenizer.json"))
+    cfg = lm.config_from_dict({
+        "name": "tiny",
+        "model": {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+                  "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                  "tie_word_embeddings": True, "max_position_embeddings": 64},
+        "tokenizer": str(base / "tokenizer.json"),
+        "phases": [{"seq_len": 16, "steps": 20}, {"seq_len": 32, "steps": 10, "micro_batch_size": 2}],
+        "batch_size": 4, "learning_rate": 1e-2, "warmup_steps": 3,
+        "checkpoint_every": 5, "keep_checkpoints": 2, "eval_every": 10, "eval_seq_len": 16, "eval_tokens": 512,
+        "corpus": {"manifest": str(manifest), "root": str(root)},
+    })
+    return {"base": base, "root": root, "manifest": manifest, "cfg": cfg}
+
+
+@pytest.fixture(scope="module")
+def full_run(zoo):
+    """The tiny config trained straight through, exported."""
+    run_dir, export_dir = zoo["base"] / "run-full", zoo["base"] / "export"
+    state = lm.train(zoo["cfg"], run_dir, export_dir, progress=False)
+    return {"state": state, "run_dir": run_dir, "export": export_dir}
+
+
+def params_of(state):
+    return jax.tree.leaves(state["params"])
+
+
+def test_config_files_parse():
+    for name in ("code-target", "code-draft"):
+        cfg = lm.load_config(lm.REPO / "configs" / f"{name}.json")
+        assert cfg.model.vocab_size == 8192 and cfg.batch_size == 16
+        assert cfg.phases[-1].seq_len == 2048 and cfg.model.tie_word_embeddings
+        assert sum(p.steps * p.seq_len * cfg.batch_size for p in cfg.phases) >= 8_000_000
+        assert lm.config_from_dict(lm.config_to_dict(cfg)) == cfg
+
+
+def test_data_order_is_a_function_of_seed_and_step(zoo):
+    stream = np.arange(1000, dtype=np.int32)
+    a = data.batch_at(stream, 16, 4, seed=0, phase=0, step_in_phase=7)
+    assert a.shape == (4, 17) and (np.diff(a, axis=1) == 1).all()  # contiguous windows
+    assert (a == data.batch_at(stream, 16, 4, seed=0, phase=0, step_in_phase=7)).all()
+    assert not (a == data.batch_at(stream, 16, 4, seed=1, phase=0, step_in_phase=7)).all()
+    # One epoch visits every window once.
+    n = data.num_windows(len(stream), 16)
+    starts = np.concatenate([data.batch_at(stream, 16, 1, 0, 0, s)[:, 0] for s in range(n)])
+    assert sorted(starts) == list(range(0, n * 16, 16))
+
+
+def test_loss_decreases(zoo, full_run):
+    cfg = zoo["cfg"]
+    records = [json.loads(line) for line in (full_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30]
+    # Initial loss: about ln(300), the uniform distribution's.
+    val = data.eval_windows(data.token_stream(Tokenizer.from_file(cfg.tokenizer), "validation",
+                                              corpus.read_manifest(zoo["manifest"]), zoo["root"]),
+                            cfg.eval_seq_len, cfg.eval_tokens)
+    initial = lm.evaluate(cfg, lm.init_state(cfg)["params"], val)
+    assert abs(initial - np.log(300)) < 0.1
+    losses = [initial] + [r["val_loss"] for r in records]
+    assert all(b < a for a, b in itertools.pairwise(losses))
+    assert losses[-1] < initial - 1.0
+    assert records[-1]["val_ppl"] == pytest.approx(np.exp(records[-1]["val_loss"]))
+
+
+def test_resume_gives_the_same_params(zoo, full_run, tmp_path):
+    cfg, run_dir = zoo["cfg"], tmp_path / "run"
+    lm.train(cfg, run_dir, max_steps=12, progress=False)  # stops mid phase 1
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [10, 12]
+    state = lm.train(cfg, run_dir, progress=False)  # resumes through the phase change to the end
+    assert int(state["step"]) == FULL_STEPS
+    for a, b in zip(params_of(state), params_of(full_run["state"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_refuses_a_run_dir_of_another_config(zoo, tmp_path):
+    cfg, run_dir = zoo["cfg"], tmp_path / "run"
+    lm.train(cfg, run_dir, max_steps=1, progress=False)
+    other = dataclasses.replace(cfg, learning_rate=3e-3)
+    with pytest.raises(lm.RunRefused, match=r"learning_rate: run dir has 0.01, now 0.003"):
+        lm.train(other, run_dir, progress=False)
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, intermediate_size=96))
+    with pytest.raises(lm.RunRefused, match=r"model.intermediate_size"):
+        lm.train(wider, run_dir, progress=False)
+    with pytest.raises(lm.RunRefused, match=r"trained with batch_size 4, the config now says 8"):
+        lm.train(dataclasses.replace(cfg, batch_size=8), run_dir, progress=False)
+    # Observation-only fields may change on resume.
+    state = lm.train(dataclasses.replace(cfg, eval_every=3, checkpoint_every=1), run_dir, max_steps=2, progress=False)
+    assert int(state["step"]) == 2
+
+
+def test_overwrite_guard(zoo, full_run, tmp_path):
+    cfg = zoo["cfg"]
+    with pytest.raises(lm.RunRefused, match="model.safetensors"):
+        lm.train(cfg, tmp_path / "new-run", full_run["export"], progress=False)
+    # A finished run dir resumes as a no-op, but a fresh start needs --overwrite ...
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run["run_dir"], copy)
+    assert int(lm.train(cfg, copy, max_steps=2, progress=False)["step"]) == FULL_STEPS
+    # ... and discards the old checkpoints.
+    state = lm.train(cfg, copy, max_steps=2, overwrite=True, progress=False)
+    assert int(state["step"]) == 2
+    assert str(FULL_STEPS) not in {p.name for p in (copy / "checkpoints").iterdir()}
+
+
+def test_refuses_a_changed_corpus(zoo, tmp_path):
+    root = tmp_path / "lib"
+    shutil.copytree(zoo["root"], root)
+    victim = next(root.glob("*.py"))
+    victim.write_text(victim.read_text() + "\n# edited\n")
+    cfg = dataclasses.replace(zoo["cfg"], corpus=lm.CorpusConfig(manifest=str(zoo["manifest"]), root=str(root)))
+    with pytest.raises(corpus.CorpusMismatch, match=victim.name):
+        lm.train(cfg, tmp_path / "run", progress=False)
+
+
+def test_export_loads_in_specjax_and_transformers(zoo, full_run):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    export = full_run["export"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "train_info.json"} <= {p.name for p in export.iterdir()}
+    hf_cfg = json.loads((export / "config.json").read_text())
+    assert hf_cfg["torch_dtype"] == "bfloat16" and hf_cfg["eos_token_id"] == EOT_ID
+
+    model = load_model(str(export))
+    # The export is the trained float32 weights rounded to bf16.
+    trained = full_run["state"]["params"]
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32)))
+
+    tokens = np.asarray(data.batch_at(np.arange(3, 300, dtype=np.int32), 20, 2, 0, 0, 0))
+    out = prefill(model, jnp.asarray(tokens), jnp.full((2,), tokens.shape[1], jnp.int32),
+                  init_cache(model, 2, tokens.shape[1]))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_eval_ppl(zoo, full_run):
+    r = eval_ppl.evaluate_model(full_run["export"], split="validation", seq_len=16, manifest_path=zoo["manifest"],
+                                root=zoo["root"], cache_dir=None, progress=False)
+    assert r["tokens"] == r["windows"] * 16 > 0
+    assert np.isfinite(r["loss"]) and r["ppl"] == pytest.approx(np.exp(r["loss"]))
+    assert 1 < r["unigram_ppl"] < 300
+    info = json.loads((full_run["export"] / "train_info.json").read_text())
+    assert info["steps"] == FULL_STEPS
+
+
+def test_cli(zoo, full_run, tmp_path, capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(lm.config_to_dict(zoo["cfg"])))
+    run_dir = tmp_path / "run"
+    lm.main(["--config", str(config), "--run-dir", str(run_dir), "--max-steps", "1"])
+    assert "stopped at step 1 of 30" in capsys.readouterr().out
+    changed = {**lm.config_to_dict(zoo["cfg"]), "batch_size": 2}
+    config.write_text(json.dumps(changed))
+    with pytest.raises(SystemExit, match="error: .* trained with batch_size 4"):
+        lm.main(["--config", str(config), "--run-dir", str(run_dir)])
+    with pytest.raises(SystemExit, match="error: .*model.safetensors"):
+        lm.main(["--config", str(config), "--run-dir", str(tmp_path / "other"), "--export", str(full_run["export"])])
