@@ -200,3 +200,44 @@ def test_cli(zoo, full_run, tmp_path, capsys):
         lm.main(["--config", str(config), "--run-dir", str(run_dir)])
     with pytest.raises(SystemExit, match="error: .*model.safetensors"):
         lm.main(["--config", str(config), "--run-dir", str(tmp_path / "other"), "--export", str(full_run["export"])])
+
+
+# ----------------------------------------------------------------------------- feature drafter
+
+def _feature_cfg(zoo, full_run, **kw):
+    from train import feature
+    base = dict(name="tiny-feature", target=str(full_run["export"]), ttt_steps=3, seq_len=32, batch_size=4,
+                steps=12, learning_rate=3e-3, warmup_steps=2, checkpoint_every=4, eval_every=6, eval_tokens=256,
+                manifest=str(zoo["manifest"]), corpus_root=str(zoo["root"]))
+    base.update(kw)
+    return feature.FeatureTrainConfig(**base)
+
+
+def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
+    import specjax
+    from specjax.drafters import FeatureDrafter, load_drafter
+    from train import feature
+
+    cfg = _feature_cfg(zoo, full_run)
+    straight = feature.train(cfg, zoo["base"] / "feat-straight", zoo["base"] / "feat-export", progress=False)
+    metrics = [json.loads(l) for l in (zoo["base"] / "feat-straight" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and metrics[-1]["val_loss"] < metrics[0]["val_loss"] + 0.5
+    assert len(metrics[-1]["val_agree"]) == 3
+    # stopped at 5 and resumed: the same parameters as straight through
+    feature.train(cfg, zoo["base"] / "feat-resume", max_steps=5, progress=False)
+    resumed = feature.train(cfg, zoo["base"] / "feat-resume", progress=False)
+    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # refusals: another config in the same run dir; overwriting an export
+    with pytest.raises(lm.RunRefused, match="different run"):
+        feature.train(_feature_cfg(zoo, full_run, ttt_steps=2), zoo["base"] / "feat-resume", progress=False)
+    with pytest.raises(lm.RunRefused, match="overwrite"):
+        feature.train(cfg, zoo["base"] / "feat-other", zoo["base"] / "feat-export", progress=False)
+    # the export drafts for its target, losslessly
+    target = load_model(str(full_run["export"]))
+    drafter = load_drafter(str(zoo["base"] / "feat-export"), target)
+    assert isinstance(drafter, FeatureDrafter)
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
+    ref = specjax.generate(target, prompts, max_new_tokens=12)
+    got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")
+    assert got.sequences() == ref.sequences()

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
                 torch.set_num_threads(args.torch_threads)
             hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-        rows, raw = [], []
+        rows = []
         for B in batches:
             prompts = rng.integers(0, cfg.vocab_size, size=(B, args.prompt_len)).tolist()
             ours, our_tokens = bench_specjax(model_dir, prompts, args.new_tokens, args.repeats)

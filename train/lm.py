@@ -369,10 +369,15 @@ class Streams:
 
 
 def load_streams(cfg: TrainConfig, tok: Tokenizer, cache_dir: Path | None) -> Streams:
-    manifest_path = _resolve(cfg.corpus.manifest)
-    root = _resolve(cfg.corpus.root)
-    manifest = corpus.check(corpus.read_manifest(manifest_path), root)
-    get = lambda split: data.token_stream(tok, split, manifest, root, cfg.corpus.max_files, cache_dir)
+    return load_streams_for(tok, cfg.corpus.manifest, cfg.corpus.root, cfg.corpus.max_files, cache_dir)
+
+
+def load_streams_for(tok: Tokenizer, manifest: str, root: str | None, max_files: int | None,
+                     cache_dir: Path | None) -> Streams:
+    """Train and validation token streams of the corpus, checked against its manifest."""
+    root = _resolve(root)
+    checked = corpus.check(corpus.read_manifest(_resolve(manifest)), root)
+    get = lambda split: data.token_stream(tok, split, checked, root, max_files, cache_dir)
     return Streams(train=get("train"), validation=get("validation"))
 
 

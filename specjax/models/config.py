@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+HYBRID_MODEL_TYPES = ("qwen3_next",)  # read into HybridConfig (specjax.models.hybrid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
         try:
             n_heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]

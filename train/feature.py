@@ -1,0 +1,244 @@
+"""Trains an EAGLE-3 style feature drafter for a trained target (design §5).
+
+The target is frozen: each batch runs it once for its fused hidden states (low / middle / high
+layers) and its next-token distributions. The drafter is trained with training-time test: it
+unrolls `ttt_steps` draft steps per anchor, each step fed its own previous hidden state as in
+drafting, and learns the target's distribution (soft cross-entropy) with a loss weighted by
+`depth_decay ** (step - 1)`. Same machinery as `train.lm`: optax AdamW with warm-up + cosine,
+gradient clipping, an orbax CheckpointManager (resumable, same data order), tqdm, validation
+metrics (loss and top-1 agreement with the target per step) to metrics.jsonl, and an export
+(`drafter_config.json` + `model.safetensors`) that `specjax.drafters.load_drafter` reads.
+
+    python -m train.feature --config configs/code-target-feature.json \
+        --run-dir runs/code-target-feature --export models/code-target-feature
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from specjax.checkpoint import load_model, load_tokenizer
+from specjax.drafters import feature as F
+from specjax.models import transformer
+from train import data
+from train.lm import REPO, RunRefused, _resolve, load_streams_for
+
+RESUMABLE = ("steps", "checkpoint_every", "eval_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureTrainConfig:
+    name: str
+    target: str  # the target's Hugging Face directory
+    target_layers: tuple[int, ...] | None = None  # None: low / middle / high
+    intermediate_size: int | None = None  # None: the target's
+    ttt_steps: int = 4
+    depth_decay: float = 0.8
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 600
+    seed: int = 0
+    learning_rate: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    eval_every: int = 100
+    eval_tokens: int = 16384
+    manifest: str = "train/manifest.json"
+    corpus_root: str | None = None  # None: this interpreter's stdlib
+    max_files: int | None = None  # per split (tests)
+
+
+def load_config(path) -> FeatureTrainConfig:
+    raw = json.loads(Path(path).read_text())
+    if raw.get("target_layers") is not None:
+        raw["target_layers"] = tuple(raw["target_layers"])
+    fields = {f.name for f in dataclasses.fields(FeatureTrainConfig)}
+    unknown = set(raw) - fields
+    if unknown:
+        raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
+    return FeatureTrainConfig(**raw)
+
+
+def head_config(cfg: FeatureTrainConfig, target) -> F.FeatureConfig:
+    return F.FeatureConfig.for_target(target.config, cfg.target_layers, cfg.intermediate_size)
+
+
+def ttt_loss(head, target, tokens_BxT, decay: float, steps: int):
+    """(weighted loss, per-step loss [K], per-step top-1 agreement [K])."""
+    B, T = tokens_BxT.shape
+    cache = transformer.init_cache(target, B, T)
+    out = transformer.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), cache,
+                              transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
+    feats = jax.lax.stop_gradient(F.target_features(out))
+    p_target = jax.lax.stop_gradient(jax.nn.softmax(out.logits, axis=-1))  # [B, T, V]: token t+1
+    logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
+    losses, agree = [], []
+    for k in range(1, steps + 1):
+        # step k at anchor a predicts token a+k+1, whose target distribution sits at position a+k
+        tgt = jnp.roll(p_target, -k, axis=1)
+        valid = (jnp.arange(T) + k < T)[None]
+        ce = optax.softmax_cross_entropy(logits[k - 1], tgt)
+        losses.append(jnp.sum(ce * valid) / jnp.sum(valid * jnp.ones((B, 1))))
+        hit = jnp.argmax(logits[k - 1], -1) == jnp.argmax(tgt, -1)
+        agree.append(jnp.sum(hit * valid) / jnp.sum(valid * jnp.ones((B, 1))))
+    losses, agree = jnp.stack(losses), jnp.stack(agree)
+    weights = decay ** jnp.arange(steps)
+    return jnp.sum(weights * losses) / jnp.sum(weights), (losses, agree)
+
+
+@functools.lru_cache(maxsize=4)
+def _fns(cfg: FeatureTrainConfig, target_dir: str):
+    target = load_model(target_dir)
+    hcfg = head_config(cfg, target)
+    head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
+    tgt_def, tgt_params = nnx.split(target)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                                  max(cfg.steps, cfg.warmup_steps + 1),
+                                                  cfg.learning_rate * cfg.min_lr_ratio)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(schedule, weight_decay=cfg.weight_decay,
+                                 mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+
+    def loss_of(params, tokens):
+        return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
+                        cfg.depth_decay, cfg.ttt_steps)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, tokens):
+        (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens)
+        updates, opt = tx.update(grads, state["opt_state"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1},
+                {"loss": loss, "per_step": per_step, "agree": agree, "lr": schedule(state["step"])})
+
+    @jax.jit
+    def eval_step(params, tokens):
+        loss, (per_step, agree) = loss_of(params, tokens)
+        return loss, per_step, agree
+
+    def init():
+        params = nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return target, hcfg, head_def, train_step, eval_step, init
+
+
+def _identity(cfg: FeatureTrainConfig, target_dir: Path) -> dict:
+    import hashlib
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
+    d["target_layers"] = list(d["target_layers"]) if d["target_layers"] else None
+    d["target_sha256"] = hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()
+    return d
+
+
+def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True):
+    run_dir = Path(run_dir)
+    export_dir = Path(export_dir) if export_dir is not None else None
+    target_dir = _resolve(cfg.target)
+    if export_dir is not None and (export_dir / "model.safetensors").exists() and not overwrite:
+        raise RunRefused(f"{export_dir} already holds a trained drafter; pass --overwrite to replace it.")
+    identity = _identity(cfg, target_dir)
+    stored = run_dir / "run.json"
+    if run_dir.exists() and overwrite:
+        shutil.rmtree(run_dir)
+    elif stored.exists():
+        old = json.loads(stored.read_text())
+        diffs = [f"{k}: run dir has {old.get(k)!r}, now {identity.get(k)!r}"
+                 for k in sorted(set(old) | set(identity)) if old.get(k) != identity.get(k)]
+        if diffs:
+            raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs)
+                             + "\nUse another --run-dir, or --overwrite.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(identity, indent=2) + "\n")
+
+    target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))
+    tok = load_tokenizer(str(target_dir))
+    streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
+    val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
+
+    state = jax.device_put(init(), jax.devices()[0])
+    mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(
+        max_to_keep=3, save_interval_steps=cfg.checkpoint_every, create=True))
+    if mngr.latest_step() is not None:
+        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
+    t_last, n_tok = time.perf_counter(), 0
+    record = None
+    for step in range(start, stop):
+        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        state, m = train_step(state, jnp.asarray(batch))
+        loss = float(m["loss"])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step + 1}")
+        n_tok += batch.size
+        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{float(m['agree'][0]):.2f}",
+                        tok_s=f"{n_tok / (time.perf_counter() - t_last):.0f}", refresh=False)
+        bar.update(1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
+            record.update(step=done, train_loss=loss, lr=float(m["lr"]))
+            with (run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.write(f"step {done}: val loss {record['val_loss']:.4f}, top-1 agreement by step {record['val_agree']}")
+            t_last, n_tok = time.perf_counter(), 0
+        mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    if int(state["step"]) == cfg.steps and export_dir is not None:
+        if record is None:
+            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
+        F.save_feature_head(nnx.merge(head_def, state["params"]), str(export_dir))
+        (export_dir / "train_info.json").write_text(json.dumps({"run": identity, "final": record}, indent=2) + "\n")
+        print(f"exported {export_dir}")
+    return state
+
+
+def evaluate(eval_step, params, windows, batch_size) -> dict:
+    n = (len(windows) // batch_size) * batch_size or len(windows)
+    losses, per, agree = [], [], []
+    for i in range(0, n, batch_size):
+        loss, p, a = eval_step(params, jnp.asarray(windows[i:i + batch_size]))
+        losses.append(float(loss))
+        per.append(np.asarray(p))
+        agree.append(np.asarray(a))
+    return {"val_loss": float(np.mean(losses)), "val_step_loss": np.mean(per, 0).round(4).tolist(),
+            "val_agree": np.mean(agree, 0).round(4).tolist()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--export", type=Path)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
+    except (RunRefused, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax-cache"))
+    main()
