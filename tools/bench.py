@@ -1,0 +1,267 @@
+"""Speculative decoding on the model zoo, every method side by side in one process.
+
+For each method (autoregressive; chain and tree with each drafter; greedy and temperature 1):
+tokens/s, speedup over our autoregressive loop measured in the same run, tau (mean acceptance
+length, bonus included) and per-depth acceptance, medians over repeats after an untimed warm-up
+call. Greedy methods are checked token for token against greedy autoregressive output; a
+divergence counts as an honest near-tie only where the target's top-2 logits are within 1e-4.
+With `--hf`, transformers' assisted generation (assistant_model = the same draft weights, and
+prompt lookup) runs on the same prompts as the peer (batch 1, its only mode).
+
+    python tools/bench.py                      # the zoo: models/code-target (+ code-draft, code-target-feature)
+    python tools/bench.py --smoke              # tiny random models, seconds (what the test runs)
+
+Writes bench/<out>.md, .json and .png. Float32 on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax.drafters import LMDrafter, NgramDrafter, load_drafter  # noqa: E402
+from specjax.models import transformer  # noqa: E402
+
+NEAR_TIE = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    drafter: str | None  # key into the loaded drafters; None: autoregressive
+    tree: str | None = None
+    temperature: float = 0.0
+
+
+def default_methods(drafters: dict) -> list[Method]:
+    out = [Method("ar", None), Method("ar T=1", None, temperature=1.0)]
+    trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "depth=6,topk=6,nodes=24"),
+             "ngram": ("chain=6",)}
+    for name in drafters:
+        for t in trees.get(name, ("chain=4",)):
+            out.append(Method(f"{name} {t}", name, t))
+        out.append(Method(f"{name} {trees.get(name, ('chain=4',))[0]} T=1", name, trees.get(name, ("chain=4",))[0], 1.0))
+    return out
+
+
+def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
+    n = len(prompts) // size * size
+    return [prompts[i:i + size] for i in range(0, n, size)]
+
+
+def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0) -> dict:
+    kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
+    if m.drafter is not None:
+        kw.update(drafters=[drafters[m.drafter]], tree=m.tree)
+    specjax.generate(target, groups[0], seed=seed, **kw)  # compile (untimed)
+    times, results = [], None
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        res = [specjax.generate(target, g, seed=seed + i, **kw) for i, g in enumerate(groups)]
+        times.append(time.perf_counter() - t0)
+        results = res
+    tokens = sum(int(x.lengths.sum()) for x in results)
+    row = {"method": m.name, "tokens_per_s": tokens / statistics.median(times), "seconds": statistics.median(times),
+           "tokens": tokens}
+    if m.drafter is not None:
+        rounds = np.concatenate([x.stats["rounds"] for x in results])
+        acc = np.concatenate([x.stats["accepted"] for x in results])
+        at_depth = np.concatenate([x.stats["accepted_at_depth"] for x in results])
+        row["tau"] = float(1 + acc.sum() / max(rounds.sum(), 1))
+        row["depth_acceptance"] = (at_depth.sum(0) / max(rounds.sum(), 1)).round(3).tolist()
+    else:
+        row["tau"] = 1.0
+    row["sequences"] = [s for x in results for s in x.sequences()]
+    return row
+
+
+def greedy_check(target, prompts, reference, candidate) -> dict:
+    """Counts identical rows, honest near-ties and real mismatches against the AR reference."""
+    exact = near = mismatch = 0
+    for p, a, b in zip(prompts, reference, candidate):
+        if a == b:
+            exact += 1
+            continue
+        i = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
+        if i is None:
+            mismatch += 1
+            continue
+        ids = jnp.asarray([p + a[:i]], jnp.int32)
+        out = transformer.prefill(target, ids, jnp.array([ids.shape[1]]), transformer.init_cache(target, 1, ids.shape[1]))
+        logits = np.asarray(out.logits[0, -1], np.float64)
+        top = logits.max()
+        if top - logits[a[i]] <= NEAR_TIE and top - logits[b[i]] <= NEAR_TIE:
+            near += 1
+        else:
+            mismatch += 1
+    return {"exact": exact, "near_tie": near, "mismatch": mismatch}
+
+
+def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)  # measured faster than 2 threads on this 2-core machine (bench_ar)
+    tgt = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    rows = []
+    variants = [("hf ar", {}), ("hf prompt-lookup", {"prompt_lookup_num_tokens": 6})]
+    if draft_dir is not None:
+        asst = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        variants.append(("hf assisted (code-draft)", {"assistant_model": asst}))
+    for name, extra in variants:
+        def run():
+            n = 0
+            with torch.inference_mode():
+                for p in prompts:
+                    out = tgt.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                       do_sample=False, pad_token_id=1, **extra)
+                    n += out.shape[1] - len(p)
+            return n
+        run()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            n = run()
+            times.append(time.perf_counter() - t0)
+        rows.append({"method": name, "tokens_per_s": n / statistics.median(times), "tokens": n,
+                     "seconds": statistics.median(times)})
+    return rows
+
+
+def smoke_setup(seed=0):
+    """A tiny random target, a noisy copy of it as the lm drafter, and n-gram; random prompts."""
+    from flax import nnx
+    cfg = specjax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    target = transformer.init_model(cfg, seed)
+    draft = transformer.init_model(cfg, seed)
+    leaves, tdef = jax.tree.flatten(nnx.state(draft, nnx.Param))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
+                                               for x, k in zip(leaves, keys)]))
+    rng = np.random.default_rng(seed)
+    prompts = [(rng.integers(0, 64, 6).tolist() * 6)[: int(rng.integers(12, 36))] for _ in range(4)]
+    return target, {"lm": LMDrafter(draft), "ngram": NgramDrafter()}, prompts
+
+
+def zoo_setup(args):
+    from specjax.checkpoint import load_tokenizer
+    from train import prompts as prompt_sets
+    target = specjax.load_model(args.target)
+    tok = load_tokenizer(args.target)
+    drafters = {}
+    if args.draft and os.path.isdir(args.draft):
+        drafters["lm"] = load_drafter(args.draft, target)
+    if args.feature and os.path.isdir(args.feature):
+        drafters["feature"] = load_drafter(args.feature, target)
+    drafters["ngram"] = NgramDrafter()
+    prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
+    return target, drafters, prompts
+
+
+def write_outputs(rows, meta, out: Path):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Speculative decoding benchmark ({meta['setup']})", "",
+             f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
+             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
+             f"load average before the run {meta['load_avg']}.", "",
+             f"Command: `{meta['command']}`", "",
+             "| method | tokens/s | speedup vs our AR | tau | per-depth acceptance | greedy check (exact / near-tie / mismatch) |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        chk = r.get("check")
+        check = "" if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+                     f"{r.get('tau', float('nan')):.2f} | {r.get('depth_acceptance', '')} | {check} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "sequences"}
+                                                                            for r in rows]}, indent=2) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["method"] for r in rows]
+    axes[0].barh(names, [r.get("speedup", 0) for r in rows])
+    axes[0].axvline(1.0, color="k", lw=0.8)
+    axes[0].set_xlabel("speedup over autoregressive (same process)")
+    axes[1].barh(names, [r.get("tau", 1) for r in rows], color="tab:orange")
+    axes[1].set_xlabel("tau (mean acceptance length)")
+    fig.suptitle(f"specjax speculative decoding — {meta['setup']}")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(REPO / "models/code-target"))
+    ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
+    ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"))
+    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests"])
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    ap.add_argument("--hf", action="store_true", help="also transformers' assisted generation (batch 1)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
+    ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        target, drafters, prompts = smoke_setup()
+        args.new_tokens, args.repeats = min(args.new_tokens, 16), 1
+    else:
+        if not os.path.isdir(args.target):
+            ap.error(f"{args.target}: no target model (train the zoo: make models)")
+        target, drafters, prompts = zoo_setup(args)
+    methods = default_methods(drafters)
+    if args.methods:
+        keep = set(args.methods.split(","))
+        methods = [m for m in methods if m.name in keep or m.drafter is None]
+    groups = batches(prompts, args.batch)
+    flat = [p for g in groups for p in g]
+    rows, ar = [], {}
+    for m in methods:
+        print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
+        row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats)
+        if m.drafter is None:
+            ar[m.temperature] = row
+        row["speedup"] = row["tokens_per_s"] / ar[m.temperature]["tokens_per_s"]
+        if m.temperature == 0 and m.drafter is not None:
+            row["check"] = greedy_check(target, flat, ar[0.0]["sequences"], row["sequences"])
+        rows.append(row)
+    if args.hf and not args.smoke:
+        for r in hf_assisted(args.target, args.draft if os.path.isdir(args.draft) else None,
+                             [p for p in flat], args.new_tokens, args.repeats):
+            r["speedup"] = r["tokens_per_s"] / ar[0.0]["tokens_per_s"]
+            rows.append(r)
+    meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
+            "kind": "random" if args.smoke else args.kind, "n_prompts": len(flat), "new_tokens": args.new_tokens,
+            "batch": args.batch, "repeats": args.repeats, "device": jax.devices()[0].device_kind,
+            "platform": platform.platform(), "load_avg": os.getloadavg()[0],
+            "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    write_outputs(rows, meta, Path(args.out))
+    print(Path(args.out).with_suffix(".md").read_text())
+    bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]
+    if bad:
+        print(f"GREEDY MISMATCH in {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

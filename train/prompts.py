@@ -1,0 +1,50 @@
+"""Prompt sets cut from the corpus, for benchmarks and demos: each prompt is the start of a real
+file up to a point where a model should continue (always beginning with <|endoftext|>, as the
+documents do in training).
+
+- `functions`: up to and including a `def` line (the model writes the body);
+- `docstrings`: up to the opening quotes of a docstring (the model writes the prose);
+- `tests`: test files cut after a test method's `def` line (repetitive code);
+- `long`: see `corpus.long_context_prompts`.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from train import corpus
+from train.tokenizer import EOT_ID
+
+KINDS = ("functions", "docstrings", "tests")
+_PATTERNS = {
+    "functions": re.compile(r"^[ \t]*def [A-Za-z_]\w*\(.*\):[ \t]*\n", re.M),
+    "docstrings": re.compile(r"^[ \t]*def [A-Za-z_]\w*\(.*\):[ \t]*\n[ \t]*(\"\"\"|''')", re.M),
+    "tests": re.compile(r"^[ \t]+def test_\w*\(self.*\):[ \t]*\n", re.M),
+}
+
+
+def prompt_set(kind: str, tokenizer, n: int, *, split: str = "test", context_tokens: int = 256,
+               manifest: corpus.Manifest | None = None, root: Path | None = None) -> list[dict]:
+    """`n` prompts of one kind, deterministic: files in manifest order, at most 2 cuts per file,
+    each prompt the last `context_tokens` tokens before the cut (with the document's leading
+    <|endoftext|> when the whole prefix fits). Returns [{"path", "ids", "text"}]."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown prompt kind {kind!r}; choose from {', '.join(KINDS)}")
+    manifest = manifest if manifest is not None else corpus.read_manifest()
+    root = Path(root) if root is not None else corpus.stdlib_root()
+    files = manifest.split(split)
+    if kind == "tests":
+        files = [f for f in files if "/test" in f"/{f.path}"] or files
+    out = []
+    for f in files:
+        text = corpus.read_text(root, f)
+        cuts = [m.end() for m in _PATTERNS[kind].finditer(text)]
+        for cut in cuts[1:3] if len(cuts) > 2 else cuts[:2]:
+            ids = [EOT_ID] + tokenizer.encode(text[:cut]).ids  # a document starts after <|endoftext|>
+            ids = ids[-context_tokens:]  # a long prefix keeps its end (no document start then)
+            if len(ids) < 16:
+                continue
+            out.append({"path": f.path, "ids": ids, "text": text[:cut][-400:]})
+            if len(out) == n:
+                return out
+    return out
