@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install demo clean
+.PHONY: test install demo models clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,8 +18,14 @@ test: install
 	$(BIN)/python -m pytest -q -x tests
 
 demo: install
-	@echo "make demo arrives with the model zoo (issue 3): there is no trained model in the repo yet."
-	@exit 1
+	$(BIN)/python tools/demo.py
+
+# Reproduces the zoo (hours on a 2-core CPU; resumable: rerun the same command to continue).
+models: install
+	$(BIN)/python -m train.corpus --check
+	$(BIN)/python -m train.lm --config configs/code-draft.json --run-dir runs/code-draft --export models/code-draft
+	$(BIN)/python -m train.lm --config configs/code-target.json --run-dir runs/code-target --export models/code-target
+	$(BIN)/python -m train.feature --config configs/code-target-feature.json --run-dir runs/code-target-feature --export models/code-target-feature
 
 clean:
 	rm -rf $(VENV) build *.egg-info
