@@ -106,6 +106,24 @@ def _walk_row(tokens_N, parents_N, valid_N, p_NxV, q_NxV, key, *, max_depth: int
     return path, n, bonus
 
 
+def _walk_greedy_row(tokens_N, parents_N, valid_N, argmax_N, *, max_depth: int):
+    """The greedy rule without distributions: follow the child whose token is the target's argmax.
+    O(depth x N) scalar work instead of vocabulary-sized residual updates."""
+    N = tokens_N.shape[0]
+    not_root = jnp.arange(N) > 0
+
+    def step(d, st):
+        cur, going, path, n = st
+        match = valid_N & not_root & (parents_N == cur) & (tokens_N == argmax_N[cur])
+        moved = going & jnp.any(match)
+        cur = jnp.where(moved, jnp.argmax(match).astype(jnp.int32), cur)
+        return cur, moved, path.at[d + 1].set(cur), n + moved.astype(jnp.int32)
+
+    init = (jnp.int32(0), jnp.bool_(True), jnp.zeros((max_depth + 1,), jnp.int32), jnp.int32(0))
+    cur, _, path, n = jax.lax.fori_loop(0, max_depth, step, init)
+    return path, n, argmax_N[cur]
+
+
 def verify(tree: TreeBuffers, target_logits_BxNxV, key, *, rule: Rule, max_depth: int,
            params: SamplingParams | None = None, draft_probs_BxNxV=None) -> Verdict:
     """Runs the rule on every row. `draft_probs` (q at each node, the distribution its children
@@ -118,12 +136,16 @@ def verify(tree: TreeBuffers, target_logits_BxNxV, key, *, rule: Rule, max_depth
     sampled = rule in ("sampled", "sampled_noreplace")
     if sampled and draft_probs_BxNxV is None:
         raise ValueError(f"rule {rule!r} needs the drafter's probabilities at each node")
-    p = target_probs(target_logits_BxNxV, params, greedy)
-    q = draft_probs_BxNxV if sampled else p
-    B = tree.tokens.shape[0]
-    keys = jax.random.split(key, B)
-    walk = jax.vmap(lambda t, par, v, p, q, k: _walk_row(t, par, v, p, q, k, max_depth=max_depth, rule=rule))
-    path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, p, q, keys)
+    if greedy:
+        argmax = jnp.argmax(target_logits_BxNxV, axis=-1).astype(jnp.int32)
+        walk = jax.vmap(lambda t, par, v, a: _walk_greedy_row(t, par, v, a, max_depth=max_depth))
+        path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, argmax)
+    else:
+        p = target_probs(target_logits_BxNxV, params, greedy)
+        q = draft_probs_BxNxV if sampled else p
+        keys = jax.random.split(key, tree.tokens.shape[0])
+        walk = jax.vmap(lambda t, par, v, p, q, k: _walk_row(t, par, v, p, q, k, max_depth=max_depth, rule=rule))
+        path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, p, q, keys)
     toks = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)
     toks = jnp.where(jnp.arange(max_depth)[None] < n[:, None], toks, 0)
     return Verdict(path=path, num_accepted=n, bonus=bonus, tokens=toks)
