@@ -16,12 +16,18 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
-from specjax.models.config import ModelConfig, read_config
+from specjax.models.config import HybridConfig, ModelConfig, read_config
+from specjax.models.hybrid import HybridModel
 from specjax.models.transformer import Model
 
 
-def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
-    """HF tensor name -> (path of the nnx.Param in `Model`, HF shape, stored transposed?)."""
+def hf_tensor_names(cfg: ModelConfig | HybridConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
+    """HF tensor name -> (path of the nnx.Param in the model, HF shape, stored transposed?).
+
+    A tensor that is not transposed is reshaped to the parameter's shape (HF's Conv1d weight
+    [C, 1, K] is our [C, K])."""
+    if isinstance(cfg, HybridConfig):
+        return hybrid_tensor_names(cfg)
     E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     names: dict = {"model.embed_tokens.weight": (("embed_tokens",), (V, E), False),
@@ -41,6 +47,42 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[
         if cfg.qk_norm:
             names[p + "self_attn.q_norm.weight"] = (L + ("self_attn", "q_norm", "weight"), (D,), False)
             names[p + "self_attn.k_norm.weight"] = (L + ("self_attn", "k_norm", "weight"), (D,), False)
+        for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
+            names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
+    return names
+
+
+def hybrid_tensor_names(cfg: HybridConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
+    """Qwen3NextForCausalLM's tensors (dense MLP in every layer)."""
+    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    names: dict = {"model.embed_tokens.weight": (("embed_tokens",), (V, E), False),
+                   "model.norm.weight": (("norm", "weight"), (E,), False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head", "weight"), (V, E), True)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        L = ("layers", i)
+        names[p + "input_layernorm.weight"] = (L + ("input_layernorm", "weight"), (E,), False)
+        names[p + "post_attention_layernorm.weight"] = (L + ("post_attention_layernorm", "weight"), (E,), False)
+        if kind == "linear_attention":
+            a, A = p + "linear_attn.", L + ("linear_attn",)
+            names[a + "in_proj_qkvz.weight"] = (A + ("in_proj_qkvz", "weight"), (2 * Hk * dk + 2 * Hv * dv, E), True)
+            names[a + "in_proj_ba.weight"] = (A + ("in_proj_ba", "weight"), (2 * Hv, E), True)
+            names[a + "conv1d.weight"] = (A + ("conv1d", "weight"), (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False)
+            names[a + "dt_bias"] = (A + ("dt_bias",), (Hv,), False)
+            names[a + "A_log"] = (A + ("A_log",), (Hv,), False)
+            names[a + "norm.weight"] = (A + ("norm", "weight"), (dv,), False)
+            names[a + "out_proj.weight"] = (A + ("out_proj", "weight"), (E, Hv * dv), True)
+        else:
+            a, A = p + "self_attn.", L + ("self_attn",)
+            for proj, d_out, d_in in (("q_proj", 2 * H * D, E), ("k_proj", K * D, E), ("v_proj", K * D, E), ("o_proj", E, H * D)):
+                names[a + f"{proj}.weight"] = (A + (proj, "weight"), (d_out, d_in), True)
+                if cfg.attention_bias:
+                    names[a + f"{proj}.bias"] = (A + (proj, "bias"), (d_out,), False)
+            names[a + "q_norm.weight"] = (A + ("q_norm", "weight"), (D,), False)
+            names[a + "k_norm.weight"] = (A + ("k_norm", "weight"), (D,), False)
         for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
             names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
     return names
@@ -76,8 +118,9 @@ def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
     return np.asarray(t).astype(np.float32)
 
 
-def load_model(path: str, *, dtype=jnp.float32) -> Model:
-    """Loads a Llama / Qwen2 / Qwen3 checkpoint in Hugging Face format (no torch needed).
+def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
+    """Loads a Llama / Qwen2 / Qwen3 (`Model`) or a dense-MLP Qwen3-Next (`HybridModel`)
+    checkpoint in Hugging Face format (no torch needed).
 
     Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
@@ -85,7 +128,8 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model:
     cfg = read_config(path, dtype=dtype)
     tensors = _read_tensors(path)
     where = os.path.join(path, "model.safetensors")
-    model = nnx.eval_shape(lambda: Model(cfg, nnx.Rngs(0)))
+    model_cls = HybridModel if isinstance(cfg, HybridConfig) else Model
+    model = nnx.eval_shape(lambda: model_cls(cfg, nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
     names = hf_tensor_names(cfg)
@@ -96,7 +140,7 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model:
     else:
         names_extra = set()
     unexpected = set(tensors) - set(names) - names_extra
-    unexpected = {n for n in unexpected if not n.endswith("rotary_emb.inv_freq")}
+    unexpected = {n for n in unexpected if not n.endswith("rotary_emb.inv_freq") and not n.startswith("mtp.")}
     if unexpected:
         raise ValueError(f"{where}: unexpected tensors for {cfg.model_type}: {sorted(unexpected)[:5]}")
     for name, (param_path, shape, transposed) in names.items():
@@ -106,8 +150,7 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model:
         if tuple(t.shape) != shape:
             raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
         arr = _to_numpy_f32(t)
-        if transposed:
-            arr = arr.T
+        arr = arr.T if transposed else arr.reshape(flat[param_path].get_value().shape)
         flat[param_path].set_value(jnp.asarray(arr, dtype=dtype))
     nnx.update(model, nnx.from_flat_state(flat))
     tok_file = os.path.join(path, "tokenizer.json")
@@ -129,7 +172,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"{file}: corrupt tokenizer ({e})") from None
 
 
-def save_model(model: Model, path: str, *, tokenizer: Tokenizer | None = None, dtype=None,
+def save_model(model: Model | HybridModel, path: str, *, tokenizer: Tokenizer | None = None, dtype=None,
                max_shard_bytes: int | None = None) -> None:
     """Writes `config.json` + `model.safetensors` (sharded with an index past `max_shard_bytes`),
     and `tokenizer.json` when given. `dtype` (e.g. jnp.bfloat16) converts on export."""
@@ -137,12 +180,12 @@ def save_model(model: Model, path: str, *, tokenizer: Tokenizer | None = None, d
     os.makedirs(path, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
-    for name, (param_path, _, transposed) in hf_tensor_names(cfg).items():
+    for name, (param_path, shape, transposed) in hf_tensor_names(cfg).items():
         arr = jnp.asarray(flat[param_path].get_value())
         if dtype is not None:
             arr = arr.astype(dtype)
         arr = np.asarray(arr)
-        tensors[name] = np.ascontiguousarray(arr.T if transposed else arr)
+        tensors[name] = np.ascontiguousarray(arr.T if transposed else arr.reshape(shape))
     hf = cfg.to_hf()
     if dtype is not None:
         hf["torch_dtype"] = jnp.dtype(dtype).name

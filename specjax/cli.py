@@ -61,7 +61,23 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "(compile_s then reports the warm-up's compilation)")
     p.add_argument("--drafter", action="append", default=[], metavar="DIR|ngram",
                    help="speculative decoding with this drafter: 'ngram' (prompt lookup), a feature-drafter "
-                        "directory, or a small model directory with the same tokenizer")
+                        "directory, or a small model directory with the same tokenizer. Give two, cheapest "
+                        "first, with --treegraft")
+    p.add_argument("--treegraft", default=None, metavar="SCHEDULER_DIR|always|never",
+                   help="TreeGraft over the two --drafter flags (cheap, then strong): the strong drafter rescores "
+                        "and grafts the cheap drafter's tree when the scheduler (a directory written by "
+                        "train/distill_scheduler.py) says it pays, on every round (always) or never; "
+                        "--tree sets the verify budget")
+    p.add_argument("--cheap-tree", default=None, metavar="SPEC",
+                   help="with --treegraft: the cheap drafter's candidate tree (default: a dynamic tree of about "
+                        "twice the verify budget; a chain for ngram)")
+    p.add_argument("--graft-nodes", type=int, default=None, metavar="G",
+                   help="with --treegraft: grafted candidates per round (default: the verify budget - 1)")
+    p.add_argument("--fold", default=None, metavar="default|sinks=S,window=W,lambda=L,...",
+                   help="FOLD long-context attention for the lm / feature drafter(s) (training-free): sinks and the "
+                        "last W keys keep their positions, far keys share one, far logits are sharpened by "
+                        "max(1, 1 + lambda ln(n_far / W)); keys: sinks, window, far, lambda, beta (log-ratio|log-log), "
+                        "positions (on|off), chunk, impl. 'default' = sinks=4,window=256,lambda=0.5 (specjax.fold)")
     p.add_argument("--tree", default=None, metavar="SPEC",
                    help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', or a JSON path list "
                         "'[[0],[1],[0,0]]' (default chain=4)")
@@ -175,6 +191,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         sources = read_prompt_file(args.prompt_file)
     check_model_dir(args.model)
+    fold = fold_config(args)  # a bad --fold is refused before anything loads
 
     import specjax
 
@@ -186,11 +203,25 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = model.config
     try:
         from specjax.drafters import load_drafter
-        drafters = [load_drafter(d, model) for d in args.drafter]
+        # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
+        drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold)
+                    for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None
-    if len(drafters) > 1:
-        raise UsageError("--drafter: several drafters share one tree only under TreeGraft (not available yet)")
+    if args.treegraft is not None:
+        if len(drafters) != 2:
+            raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")
+        try:
+            from specjax import treegraft
+            drafters = [treegraft.build(drafters, args.treegraft, cheap_tree=args.cheap_tree,
+                                        graft_nodes=args.graft_nodes)]
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--treegraft {args.treegraft}: {e}") from None
+    elif len(drafters) > 1:
+        raise UsageError("--drafter: several drafters share one tree only under TreeGraft: "
+                         "add --treegraft SCHEDULER_DIR|always|never")
+    elif args.cheap_tree is not None or args.graft_nodes is not None:
+        raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
 
     prompts = [s for _, s in sources]
     ids = [tokenizer.encode(s).ids for s in prompts]
@@ -256,14 +287,36 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def fold_config(args: argparse.Namespace):
+    """The `--fold` flag as a `specjax.fold.FoldConfig` (None without it)."""
+    if args.fold is None:
+        return None
+    if not args.drafter:
+        raise UsageError("--fold changes a drafter's attention: it needs a --drafter (lm or feature)")
+    from specjax.fold import FoldConfig
+    try:
+        return FoldConfig.parse(args.fold)
+    except ValueError as e:
+        raise UsageError(f"--fold {args.fold}: {e}") from None
+
+
 def spec_stats(result, row: int) -> dict:
     """Per-prompt speculative statistics for --json (empty for autoregressive runs)."""
     if "tau" not in result.stats:
         return {}
     st = result.stats
-    return {"tau": round(float(st["tau"][row]), 4), "rounds": int(st["rounds"][row]),
-            "accepted": int(st["accepted"][row]),
-            "depth_acceptance": [round(float(x), 4) for x in st["depth_acceptance"][row]]}
+    out = {"tau": round(float(st["tau"][row]), 4), "rounds": int(st["rounds"][row]),
+           "accepted": int(st["accepted"][row]),
+           "depth_acceptance": [round(float(x), 4) for x in st["depth_acceptance"][row]]}
+    if "treegraft_invoked" in st:
+        rounds = max(int(st["rounds"][row]), 1)
+        out["treegraft"] = {
+            "invoked": int(st["treegraft_invoked"][row]),  # rounds where the strong drafter ran
+            "invoke_rate": round(int(st["treegraft_invoked"][row]) / rounds, 4),
+            "grafted_proposed": int(st["treegraft_grafted_proposed"][row]),  # grafted nodes verified
+            "grafted_accepted_paths": int(st["treegraft_grafted_paths"][row]),  # accepted paths through a graft
+            "grafted_accepted_tokens": int(st["treegraft_grafted_tokens"][row])}
+    return out
 
 
 def generate_kwargs(args: argparse.Namespace) -> dict:

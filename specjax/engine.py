@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kvcache, sampling, tree as tree_lib, verify as verify_lib
+from specjax import sampling, tree as tree_lib, verify as verify_lib
 from specjax.drafters.base import Committed, DraftContext
-from specjax.models import transformer
+from specjax.models import family
 from specjax.models.transformer import Model
 from specjax.sampling import SamplingParams
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so lengths share compiles
+# Default budget for a recurrent target's per-node tree state buffer (see `check_state_budget`).
+DEFAULT_STATE_BUDGET_BYTES = 1 << 30
 
 _trace_count = 0
 
@@ -105,7 +107,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
              capacity: int | None = None, drafters: Sequence = (), tree=None,
-             verify: str | None = None) -> GenerationResult:
+             verify: str | None = None, state_budget_bytes: int | None = None) -> GenerationResult:
     """Generation of a ragged batch of token-id prompts, autoregressive or speculative.
 
     temperature == 0 is greedy. `eos_token_id` defaults to the model config's; a row stops at
@@ -113,13 +115,16 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     With `drafters`, each round drafts a tree (`tree`: a spec string, path list or TreeSpec) and
     verifies it with `verify` ("greedy" at temperature 0; "deterministic" — the default when
     sampling —, "sampled" or "sampled_noreplace").
+    A recurrent (hybrid) target verifies a tree with a per-node state buffer; `state_budget_bytes`
+    bounds it (see `check_state_budget`; default: the larger of 1 GiB and the committed cache).
     """
     sampling.validate(temperature, top_k, top_p)
     eos = _eos_array(model, eos_token_id)
     if drafters:
         return _generate_speculative(model, prompts, list(drafters), tree, verify, eos,
                                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, capacity=capacity)
+                                     top_p=top_p, seed=seed, capacity=capacity,
+                                     state_budget_bytes=state_budget_bytes)
     if tree is not None or verify is not None:
         raise ValueError("tree= and verify= need at least one drafter")
     batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
@@ -147,8 +152,9 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
     model = nnx.merge(graphdef, state)
     B = prompt_BxP.shape[0]
     M = max_new_tokens
-    cache = transformer.init_cache(model, B, capacity)
-    out = transformer.prefill(model, prompt_BxP, lengths_B, cache)
+    fam = family(model)  # transformer or hybrid: the target's functions
+    cache = fam.init_cache(model, B, capacity)
+    out = fam.prefill(model, prompt_BxP, lengths_B, cache)
     tok_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     buf_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(tok_B)
     done_B = is_eos(tok_B, eos_E)
@@ -160,7 +166,7 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
     def body(carry):
         i, tok_B, cache, done_B, n_B, buf_BxM = carry
-        out = transformer.decode_step(model, tok_B, cache)
+        out = fam.decode_step(model, tok_B, cache)
         tok_B = sampling.sample(jax.random.fold_in(key, i), out.logits[:, 0], params, greedy)
         tok_B = jnp.where(done_B, 0, tok_B)
         buf_BxM = buf_BxM.at[:, i].set(tok_B)
@@ -189,10 +195,39 @@ def resolve_rule(verify: str | None, temperature: float) -> str:
     return verify or "deterministic"
 
 
+def check_state_budget(model, batch: int, num_nodes: int, capacity: int, state_budget_bytes: int | None = None) -> int:
+    """Refuses (ValueError) a tree whose per-node recurrent-state buffer would not fit the budget.
+
+    A hybrid target keeps, during verification, every tree node's delta-rule and convolution
+    state: `batch * num_nodes * family(model).node_state_bytes(config)` bytes (0 for attention-only
+    targets, whose tree K/V live in the cache's scratch slots, already covered by `capacity`).
+    The budget is `state_budget_bytes` when given, else the larger of DEFAULT_STATE_BUDGET_BYTES
+    (1 GiB) and the committed cache itself at this batch and capacity (K/V + recurrent state):
+    by default the tree may at most double the cache's memory. Returns the buffer's bytes.
+    """
+    fam = family(model)
+    per_node = fam.node_state_bytes(model.config)
+    need = batch * num_nodes * per_node
+    if state_budget_bytes is not None and (int(state_budget_bytes) != state_budget_bytes or state_budget_bytes < 0):
+        raise ValueError(f"state_budget_bytes must be a non-negative integer, got {state_budget_bytes}")
+    if need == 0:
+        return 0
+    cache = fam.cache_bytes(model.config, batch, capacity)
+    budget = state_budget_bytes if state_budget_bytes is not None else max(DEFAULT_STATE_BUDGET_BYTES, cache)
+    if need > budget:
+        raise ValueError(
+            f"the tree's per-node recurrent-state buffer needs {need:,} bytes ({batch} rows x {num_nodes} nodes x "
+            f"{per_node:,} bytes per node) but the state budget is {budget:,} bytes"
+            + ("" if state_budget_bytes is not None else f" (default: max(1 GiB, the committed cache {cache:,} bytes))")
+            + "; use a smaller tree or batch, or raise state_budget_bytes")
+    return need
+
+
 def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
-                          temperature, top_k, top_p, seed, capacity) -> GenerationResult:
+                          temperature, top_k, top_p, seed, capacity, state_budget_bytes=None) -> GenerationResult:
     if len(drafters) > 1:
-        raise ValueError("several drafters share one tree only under TreeGraft; pass one drafter")
+        raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
+                         "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
     drafter = drafters[0]
     V = model.config.vocab_size
     if drafter.vocab_size is not None and drafter.vocab_size != V:
@@ -201,13 +236,18 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     spec = tree_lib.parse_tree_spec(DEFAULT_TREE if tree is None else tree)
     rule = resolve_rule(verify, temperature)
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
+    # Composite drafters (TreeGraft) check the spec and rule themselves and need their own scratch slots.
+    scratch = drafter.check_tree(spec, rule) if hasattr(drafter, "check_tree") else 0
     if mode != "topk" and drafter.name == "ngram":
         raise ValueError(f"the n-gram drafter proposes deterministic candidates; use verify='deterministic', not {rule!r}")
     if mode != "topk" and isinstance(spec, tree_lib.DynamicTree):
         raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
-    evaluated = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
+    evaluated = max(spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes, scratch)
     slack = max(spec.num_nodes, evaluated) + spec.max_depth + 2
     batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack)
+    check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
+    if hasattr(drafter, "validate"):  # a drafter's own checks against its cache capacity (e.g. FOLD's window)
+        drafter.validate(batch.capacity)
     graphdef, state = nnx.split((model, drafter))
     tokens, lengths, stats = _generate_spec(
         graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
@@ -233,8 +273,9 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
     B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
     greedy = rule == "greedy"
     layers = tuple(drafter.target_layers)
-    cache = transformer.init_cache(model, B, capacity)
-    out = transformer.prefill(model, prompt_BxP, lengths_B, cache, hidden_layers=layers)
+    fam = family(model)  # transformer or hybrid: the target's functions
+    cache = fam.init_cache(model, B, capacity)
+    out = fam.prefill(model, prompt_BxP, lengths_B, cache, hidden_layers=layers)
     root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     dstate = drafter.init(prompt_BxP, lengths_B, capacity, out)
     buf = jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B)
@@ -251,8 +292,8 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
         k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
         prop = drafter.propose(dstate, root_B, DraftContext(spec, mode, params, k_draft))
         tree = prop.tree
-        tout = transformer.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
-                                   tree_lib.ancestor_mask(tree, D), hidden_layers=layers)
+        tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
         vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params,
                                draft_probs_BxNxV=prop.probs)
         active = ~done_B
@@ -267,7 +308,7 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
             positions=cache.length[:, None] + jnp.arange(D + 1)[None],
             features=features,
         )
-        cache = kvcache.commit_path(tout.cache, vd.path, keep_B)
+        cache = fam.commit(tout.cache, vd.path, keep_B)
         dstate = drafter.commit(prop.state, committed)
         # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
         i = jnp.arange(D + 1)[None]
@@ -287,6 +328,8 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
         root_B = jnp.where(active, vd.bonus, root_B)
         return r + 1, root_B, cache, dstate, done_B, n_out_B, buf, stats
 
-    _, _, _, _, _, n_out_B, buf, stats = jax.lax.while_loop(cond, body, carry)
+    _, _, _, dstate, _, n_out_B, buf, stats = jax.lax.while_loop(cond, body, carry)
+    if hasattr(drafter, "loop_stats"):  # a drafter's own per-row counters (TreeGraft)
+        stats = {**stats, **drafter.loop_stats(dstate)}
     buf = jnp.where(jnp.arange(M + D + 1)[None] < n_out_B[:, None], buf, 0)[:, :M]
     return buf, n_out_B, stats

@@ -337,21 +337,48 @@ def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):
             front_pool = write + best
             front_parent_slot = off + best // k
         write += k * k
-    # Keep the best N-1 drafted nodes. The small depth penalty breaks ties toward parents, so the
-    # kept set stays connected even when a child's log q is exactly 0.
-    rank_key = jnp.where(jnp.arange(P)[None] == 0, -jnp.inf, pool_score - 1e-4 * pool_depth)
+    tree, _ = select_nodes(pool_tok, pool_par, pool_depth, pool_score, N, source=source)
+    return tree, None, state
+
+
+def select_nodes(tokens, parents, depth, score, num_nodes: int, *, valid=None, rank=None, source=0):
+    """Keeps the root and the best `num_nodes - 1` nodes of a candidate pool.
+
+    The pool ([B, P], P >= num_nodes) is in topological order (parent index < child index), root
+    at 0, parents -1 for the root. Nodes are ranked by `rank` (default: `score`), invalid ones
+    (`valid` False) last; a small depth penalty breaks ties toward parents, so when every node's
+    rank is at most its parent's (cumulative log-probs) the kept set is a connected tree even
+    when a child's log q is exactly 0. Kept nodes stay in pool order (topological), parents are
+    remapped; a kept node whose parent was not kept, or whose score is -inf, comes out invalid.
+    `source`: an int, or a [B, P] array gathered like the other fields.
+    Returns (TreeBuffers [B, num_nodes], keep [B, num_nodes]: the pool index of each node).
+    """
+    B, P = tokens.shape
+    N = num_nodes
+    if P < N:
+        raise ValueError(f"cannot keep {N} nodes of a pool of {P}")
+    rank = score if rank is None else rank
+    rank_key = (rank - 1e-4 * depth)[:, 1:]  # the root is always kept: rank the others
+    if valid is not None:
+        rank_key = jnp.where(valid[:, 1:], rank_key, -jnp.inf)
     _, keep = jax.lax.top_k(rank_key, N - 1)
+    keep = keep + 1
     keep = jnp.concatenate([jnp.zeros((B, 1), keep.dtype), jnp.sort(keep, axis=1)], axis=1)  # [B, N], topological
     new_index = jnp.full((B, P), -1, jnp.int32)
     new_index = jax.vmap(lambda ni, kp: ni.at[kp].set(jnp.arange(N, dtype=jnp.int32)))(new_index, keep)
-    old_par = jnp.take_along_axis(pool_par, keep, axis=1)
-    parents = jnp.where(old_par >= 0, jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), -1)
-    score = jnp.take_along_axis(pool_score, keep, axis=1)
+    old_par = jnp.take_along_axis(parents, keep, axis=1)
+    new_par = jnp.where(old_par >= 0, jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), -1)
+    kept_score = jnp.take_along_axis(score, keep, axis=1)
+    ok = jnp.isfinite(kept_score) & ((new_par >= 0) | (jnp.arange(N)[None] == 0))
+    if valid is not None:
+        ok &= jnp.take_along_axis(valid, keep, axis=1)
+    src = (jnp.full((B, N), source, jnp.int8) if isinstance(source, (int, np.integer))
+           else jnp.take_along_axis(source, keep, axis=1).astype(jnp.int8))
     tree = TreeBuffers(
-        tokens=jnp.take_along_axis(pool_tok, keep, axis=1),
-        parents=parents,
-        depth=jnp.take_along_axis(pool_depth, keep, axis=1),
-        valid=jnp.isfinite(score) & ((parents >= 0) | (jnp.arange(N)[None] == 0)),
-        score=score,
-        source=jnp.full((B, N), source, jnp.int8))
-    return tree, None, state
+        tokens=jnp.take_along_axis(tokens, keep, axis=1),
+        parents=new_par,
+        depth=jnp.take_along_axis(depth, keep, axis=1),
+        valid=ok,
+        score=kept_score,
+        source=src)
+    return tree, keep.astype(jnp.int32)

@@ -173,22 +173,24 @@ def iter_texts(split: str, manifest: Manifest | None = None, root: Path | None =
         yield read_text(root, f)
 
 
-def long_context_files(manifest: Manifest | None = None, n: int = 16) -> list[CorpusFile]:
-    """The `n` longest files of the test split, longest first: prompts of 1k-8k tokens."""
+def long_context_files(manifest: Manifest | None = None, n: int = 16, split: str = "test") -> list[CorpusFile]:
+    """The `n` longest files of a split (the test split by default), longest first: prompts of 1k-8k tokens."""
     manifest = manifest if manifest is not None else read_manifest()
-    return sorted(manifest.split("test"), key=lambda f: (-f.n_bytes, f.path))[:n]
+    return sorted(manifest.split(split), key=lambda f: (-f.n_bytes, f.path))[:n]
 
 
 def long_context_prompts(tokenizer, lengths=(1024, 2048, 4096, 8192), per_length: int = 4,
-                         manifest: Manifest | None = None, root: Path | None = None) -> dict[int, list[dict]]:
+                         manifest: Manifest | None = None, root: Path | None = None,
+                         split: str = "test") -> dict[int, list[dict]]:
     """For each length L, up to `per_length` prompts of exactly L token ids: the start of the
-    longest test-split files, each beginning with <|endoftext|> as documents do in training.
+    longest files of `split` (test by default; validation for tuning), each beginning with
+    <|endoftext|> as documents do in training.
     Returns {L: [{"path", "ids"}]}; a length no file reaches gets fewer (or no) prompts."""
     from train.tokenizer import EOT_ID  # local import: the corpus itself needs no tokenizer
 
     manifest = manifest if manifest is not None else read_manifest()
     root = Path(root) if root is not None else stdlib_root()
-    files = long_context_files(manifest, n=max(per_length * 2, 8))
+    files = long_context_files(manifest, n=max(per_length * 2, 8), split=split)
     encoded = [(f.path, [EOT_ID] + tokenizer.encode(read_text(root, f)).ids) for f in files]
     encoded.sort(key=lambda x: -len(x[1]))
     return {L: [{"path": p, "ids": ids[:L]} for p, ids in encoded if len(ids) >= L][:per_length] for L in lengths}

@@ -7,8 +7,15 @@ static) with three pure methods over an explicit state pytree, all called inside
     proposal = drafter.propose(state, root_B, ctx)    # a padded draft tree + q at each node
     state = drafter.commit(proposal.state, committed)  # the round's accepted tokens (+ features)
 
-`score(state, tree)` (used when a stronger drafter rescores another's tree, TreeGraft) lives with
-the drafters that can do it.
+`score(state, tree, max_depth) -> log q [B, N, V]` (used when a stronger drafter rescores another's
+tree, TreeGraft: `specjax.treegraft`) lives with the drafters that can do it (lm, feature; not
+n-gram). It leaves the state unchanged.
+
+Optional hooks the engine calls when present (composite drafters, TreeGraft):
+    scratch = drafter.check_tree(spec, rule)   # on the host, before tracing: ValueError on a bad
+                                               # setup; returns the scratch slots it needs past
+                                               # each cache's committed length
+    stats = drafter.loop_stats(final_state)    # extra per-row statistics ({name: [B] array})
 """
 from __future__ import annotations
 
@@ -34,10 +41,23 @@ class DraftContext:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SourceScores:
+    """Per-source path scores of a multi-drafter tree (TreeGraft), kept side by side: nothing one
+    drafter said overwrites another's. Values are cumulative log q from the root; 0 where absent."""
+    cheap: Float[Array, "B N"]  # the cheap drafter's, on the nodes it proposed
+    strong: Float[Array, "B N"]  # the strong drafter's, on the nodes it scored or grafted
+    has_cheap: Any  # bool [B, N]
+    has_strong: Any  # bool [B, N]
+    origin: Int[Array, "B N"]  # index of the node in the candidate pool (cheap tree, then grafts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Proposal:
     tree: TreeBuffers
     probs: Float[Array, "B N V"] | None  # q(·|node) the node's children were drawn from
     state: Any
+    scores: SourceScores | None = None  # multi-drafter trees only
 
 
 @jax.tree_util.register_dataclass

@@ -72,8 +72,9 @@ class FeatureHead(nnx.Module):
 
 # ----------------------------------------------------------------------------- layer functions
 
-def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT):
-    """Projections of the entries (token, feature x); RoPE as the target's."""
+def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT, rope: bool = True):
+    """Projections of the entries (token, feature x); RoPE as the target's (rope=False: q and k
+    un-rotated, for FOLD)."""
     cfg = head.config
     B, T = tokens_BxT.shape
     h = jnp.concatenate([rms_norm(head.embed_norm, transformer.embed(target, tokens_BxT)),
@@ -81,6 +82,8 @@ def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT):
     q = linear(head.q_proj, h).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(head.k_proj, h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(head.v_proj, h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if not rope:
+        return q, k, v
     cos, sin = transformer.rope_cos_sin(target.config, positions_BxT)
     return transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin), v
 
@@ -100,6 +103,9 @@ def fuse(head: FeatureHead, features_BxTxF):
 
 def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None):
     """One drafter pass over T entries with a KV cache (drafting and commit)."""
+    if getattr(head, "fold", None) is not None:  # FOLD (specjax.fold): un-rotated keys, FOLD attention
+        from specjax import fold
+        return fold.feature_step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache, mask_BxTxS, offset_B)
     q, k, v = qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT)
     cache = kvcache.write(cache, 0, k, v, offset_B)
     attn = transformer.attend(q, cache.k[0], cache.v[0], kvcache.visible_mask(cache, mask_BxTxS))
@@ -159,7 +165,8 @@ def target_features(out: transformer.ForwardOutput):
 class FeatureDrafter(nnx.Module):
     name = "feature"
 
-    def __init__(self, head: FeatureHead, target: Model):
+    def __init__(self, head: FeatureHead, target: Model, fold=None):
+        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
         if head.config.vocab_size != target.config.vocab_size or head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"feature drafter was built for vocab {head.config.vocab_size} / width "
                              f"{head.config.hidden_size}, the target has {target.config.vocab_size} / "
@@ -167,8 +174,18 @@ class FeatureDrafter(nnx.Module):
         if max(head.config.target_layers) >= target.config.num_layers:
             raise ValueError(f"feature drafter reads target layers {head.config.target_layers} but the target "
                              f"has {target.config.num_layers}")
-        self.head = head
+        from specjax import fold as fold_lib
+        self.head = fold_lib.attach(head, fold)  # FOLD: a weight-sharing copy with `fold` set
         self.target = target  # shared: embedding and LM head
+
+    @property
+    def fold(self):
+        return getattr(self.head, "fold", None)
+
+    def validate(self, capacity: int) -> None:
+        """Called by the engine before tracing: FOLD's window must fit the cache."""
+        from specjax import fold as fold_lib
+        fold_lib.validate(self.fold, capacity)
 
     @property
     def vocab_size(self) -> int:
@@ -217,6 +234,33 @@ class FeatureDrafter(nnx.Module):
 
         tree, probs, (cache, _) = tree_lib.expand(spec, root_B, evaluate, (state.cache, scratch), ctx.key, mode=ctx.mode)
         return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache))
+
+    def score(self, state: FeatureState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+        """log q(·|node) at every node of someone else's tree [B, N, V].
+
+        A node's input is its parent's own output hidden state, so the tree is scored depth by
+        depth: max_depth + 1 passes over all N nodes (scratch slot = node id), each pass feeding
+        every node its parent's hidden state from the previous pass. After pass d the nodes of
+        depth <= d are exact (their ancestors' K/V and hidden states no longer change), so the
+        last pass gives every node's distribution. The state is not changed."""
+        B, N = tree.tokens.shape
+        D = N - 1 if max_depth is None else max_depth
+        E = self.head.config.hidden_size
+        mask = tree_lib.ancestor_mask(tree, D) | jnp.eye(N, dtype=bool)[None]
+        pos = state.cache.length[:, None] + tree.depth
+        x_root = fuse(self.head, state.last_feature)[:, None]  # [B, 1, E]
+        is_root = (tree.parents < 0)[..., None]
+        par = jnp.maximum(tree.parents, 0)[..., None]
+
+        def one_pass(_, carry):
+            hidden, _ = carry
+            x_in = jnp.where(is_root, x_root, jnp.take_along_axis(hidden, par, axis=1))
+            hidden, logits, _ = step(self.head, self.target, tree.tokens, x_in, pos, state.cache, mask)
+            return hidden, logits.astype(jnp.float32)
+
+        init = (jnp.zeros((B, N, E), x_root.dtype), jnp.zeros((B, N, self.vocab_size), jnp.float32))
+        _, logits = jax.lax.fori_loop(0, D + 1, one_pass, init)
+        return jax.nn.log_softmax(logits, axis=-1)
 
     def commit(self, state: FeatureState, committed: Committed) -> FeatureState:
         B, T = committed.tokens.shape

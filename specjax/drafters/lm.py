@@ -20,8 +20,19 @@ class LMDrafter(nnx.Module):
     name = "lm"
     target_layers = ()
 
-    def __init__(self, model: Model):
-        self.model = model
+    def __init__(self, model: Model, fold=None):
+        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
+        from specjax import fold as fold_lib
+        self.model = fold_lib.attach(model, fold)  # FOLD: a weight-sharing copy with `fold` set
+
+    @property
+    def fold(self):
+        return getattr(self.model, "fold", None)
+
+    def validate(self, capacity: int) -> None:
+        """Called by the engine before tracing: FOLD's window must fit the cache."""
+        from specjax import fold as fold_lib
+        fold_lib.validate(self.fold, capacity)
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +56,18 @@ class LMDrafter(nnx.Module):
 
         tree, probs, cache = tree_lib.expand(ctx.spec, root_B, evaluate, cache, ctx.key, mode=ctx.mode)
         return Proposal(tree=tree, probs=probs, state=cache)
+
+    def score(self, cache, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+        """log q(·|node) at every node of someone else's tree [B, N, V], in one tree-attention pass:
+        all N nodes in the scratch slots past the committed cache, each seeing its ancestors.
+        The cache is not changed (the scratch K/V are dropped; commit rewrites those slots)."""
+        B, N = tree.tokens.shape
+        D = N - 1 if max_depth is None else max_depth
+        # A node sees itself even when invalid, so no attention row is empty (a 1-token prompt).
+        mask = tree_lib.ancestor_mask(tree, D) | jnp.eye(N, dtype=bool)[None]
+        pos = cache.length[:, None] + tree.depth
+        out = transformer.forward(self.model, tree.tokens, pos, cache, mask)
+        return jax.nn.log_softmax(out.logits, axis=-1)
 
     def commit(self, cache, committed: Committed):
         B, T = committed.tokens.shape

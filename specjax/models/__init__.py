@@ -1,1 +1,21 @@
-"""Target models. `transformer`: Llama / Qwen2 / Qwen3 dense decoders."""
+"""Target models. `transformer`: Llama / Qwen2 / Qwen3 dense decoders; `hybrid`: Qwen3-Next-style
+Gated DeltaNet + gated attention.
+
+Both modules offer the same functions over their own cache type, so the engine is
+target-agnostic through `family(model)`:
+
+    init_cache(model, B, capacity)
+    prefill(model, tokens, lengths, cache, hidden_layers)          -> ForwardOutput (committed)
+    decode_step(model, tokens_B, cache, hidden_layers)             -> ForwardOutput (committed)
+    forward(model, tokens, positions, cache, block_mask, hidden_layers, parents=None)
+                                                                   -> ForwardOutput (not committed)
+    commit(cache, path, n_keep)                                    -> cache
+    node_state_bytes(config), cache_bytes(config, B, capacity)     memory of a tree block / the cache
+"""
+
+
+def family(model):
+    """The module whose functions run `model`: `hybrid` for a HybridModel, else `transformer`."""
+    from specjax.models import hybrid, transformer
+
+    return hybrid if isinstance(model, hybrid.HybridModel) else transformer

@@ -159,7 +159,8 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     v = linear(attn.v_proj, h).reshape(B, T, K, D)
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cos is not None:  # None: q and k stay un-rotated (FOLD drafters rotate them in attention, specjax.fold)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = kvcache.write(cache, idx, k, v, offset_B)
     if attention is None:
         o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
@@ -193,14 +194,20 @@ def lm_head(model: Model, h_BxTxE) -> Logits:
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
             block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (),
-            offset_B=None) -> ForwardOutput:
+            offset_B=None, parents=None) -> ForwardOutput:
     """Runs a block of T tokens on top of each row's committed cache prefix.
+
+    `parents` (the block's tree structure, used by recurrent targets, see `hybrid.forward`) is
+    ignored: attention sees the tree through `block_mask`.
 
     The block's K/V go to slots `length + offset .. +T-1` (offset 0 by default). Query t sees
     every committed slot of its row and scratch slot `length + s` iff block_mask[b, t, s]
     (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode); S = T
     unless earlier scratch blocks (a drafter's tree so far) are visible too.
     """
+    if getattr(model, "fold", None) is not None:  # a FOLD drafter (specjax.fold): un-rotated keys
+        from specjax import fold
+        return fold.forward(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers, offset_B)
     cfg = model.config
     x = embed(model, tokens_BxT)
     cos, sin = rope_cos_sin(cfg, positions_BxT)
@@ -265,11 +272,28 @@ def prefill(model: Model, tokens_BxP: Tokens, lengths_B, cache: KVCache, hidden_
 
     Returns the output with `cache.length == lengths`; logits at padded positions are garbage.
     """
+    if getattr(model, "fold", None) is not None:  # a FOLD drafter prefills in chunks (specjax.fold)
+        from specjax import fold
+        return fold.prefill(model, tokens_BxP, lengths_B, cache, hidden_layers)
     B, P = tokens_BxP.shape
     cache = kvcache.set_length(cache, jnp.zeros((B,), jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
     out = forward(model, tokens_BxP, positions, cache, causal_mask(B, P, lengths_B), hidden_layers)
     return dataclasses.replace(out, cache=kvcache.set_length(out.cache, lengths_B))
+
+
+def commit(cache: KVCache, path_BxP, n_keep_B) -> KVCache:
+    """After a forward over a tree: keeps the accepted path (`kvcache.commit_path`)."""
+    return kvcache.commit_path(cache, path_BxP, n_keep_B)
+
+
+def node_state_bytes(cfg: ModelConfig) -> int:
+    """Per-node recurrent state of a tree block: none (K/V live in the cache's scratch slots)."""
+    return 0
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
+    return 2 * cfg.num_layers * batch * capacity * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
 def decode_step(model: Model, tokens_B, cache: KVCache, hidden_layers=()) -> ForwardOutput:

@@ -1,0 +1,546 @@
+"""A Qwen3-Next-style hybrid decoder: Gated DeltaNet (linear attention) layers and gated
+full-attention layers, in the order of `config.layer_types`, each followed by a dense SwiGLU MLP.
+The math follows transformers' `modeling_qwen3_next.py` (parameter names too, so Hugging Face
+checkpoints map one to one):
+
+- Gated DeltaNet: `in_proj_qkvz` / `in_proj_ba` projections (grouped by key head), a depthwise
+  causal short convolution (kernel `linear_conv_kernel_dim`, SiLU) over [q, k, v], beta =
+  sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), L2-normed q and k (value heads share key
+  heads in groups), the delta rule on a [H, dk, dv] state per value head
+
+      S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q / sqrt(dk)
+
+  then a gated RMSNorm (norm(o) * silu(z)) and `out_proj`.
+- Gated attention: `q_proj` gives the query and a sigmoid output gate per head, per-head q/k
+  RMSNorm, RoPE on the first `head_dim * partial_rotary_factor` dims, GQA over a KV cache.
+- Every RMSNorm but the gated one scales by (1 + weight) (weights are zero-centred), as in HF.
+
+The forward is a set of free functions like `transformer`'s, over a `HybridCache` (a KV cache for
+the attention layers + the committed delta-rule and convolution states of the DeltaNet layers):
+
+    prefill(model, tokens, lengths, cache)            chunked form, commits each row's length
+    extend(model, tokens, n, cache)                   chunked form on top of the committed state
+    forward(model, tokens, positions, cache, block_mask, parents=...)   never commits
+    commit(cache, path, n_keep)                       keeps the accepted path
+    decode_step(model, tokens, cache)                 recurrent form, one token, commits
+
+`forward` treats the block as a tree (a causal block is the chain `parents = arange(T) - 1`):
+node i's delta-rule state is f(state of parent(i), x_i), propagated depth by depth from the
+committed state, and its convolution window follows its ancestors. Every node's state goes into a
+per-node buffer (`HybridCache.node_state` [L_lin, B, T, H, dk, dv] float32 and `node_conv`
+[L_lin, B, T, K-1, C]); `commit` keeps the state of each row's last accepted node and gathers the
+attention layers' K/V with `kvcache.commit_path`. No replay, no host round-trip.
+
+Memory of the per-node buffer: `node_state_bytes(config)` bytes per tree node and row,
+
+    L_lin * (H_v * dk * dv * 4  +  (K - 1) * C * itemsize(dtype)),   C = 2 H_k dk + H_v dv,
+
+so a tree of N nodes over B rows holds B * N * node_state_bytes(config) bytes during
+verification (e.g. Qwen3-Next-80B in bf16: 36 * (32*128*128*4 + 3*8192*2) = 77.3 MB per node and
+row). `generate` refuses, before tracing, a tree whose buffer exceeds its `state_budget_bytes`
+(`engine.check_state_budget`). Transiently, one layer's propagation also holds about three
+[B, T, H, dk, dv] float32 temporaries.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import kvcache
+from specjax.kvcache import KVCache
+from specjax.models.config import HybridConfig
+from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, attend, causal_mask, linear
+from specjax.typing import Array, BlockMask, Float, Int, Logits, Positions, Tokens
+
+CHUNK_SIZE = 64  # the chunked delta rule's chunk length (as HF's torch_chunk_gated_delta_rule)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+class OffsetRMSNorm(nnx.Module):
+    """RMSNorm that scales by (1 + weight): HF's Qwen3NextRMSNorm (weights start at zero)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+
+class Conv(nnx.Module):
+    """Depthwise causal convolution weights [C, K] (HF's Conv1d weight [C, 1, K] without the 1)."""
+
+    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, dtype):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (channels, kernel), dtype) / math.sqrt(kernel))
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: HybridConfig, rngs: nnx.Rngs):
+        E, dt = cfg.hidden_size, cfg.dtype
+        Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.in_proj_qkvz = Linear(E, 2 * Hk * dk + 2 * Hv * dv, bias=False, rngs=rngs, dtype=dt)
+        self.in_proj_ba = Linear(E, 2 * Hv, bias=False, rngs=rngs, dtype=dt)
+        self.conv1d = Conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, rngs=rngs, dtype=dt)
+        self.dt_bias = nnx.Param(jnp.ones((Hv,), dt))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), dt, 0.5, 4.0)))
+        self.norm = RMSNorm(dv, cfg.rms_norm_eps, dt)  # the gated norm: plain weight
+        self.out_proj = Linear(Hv * dv, E, bias=False, rngs=rngs, dtype=dt)
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: HybridConfig, rngs: nnx.Rngs):
+        E, H, K, D, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+        b = cfg.attention_bias
+        self.q_proj = Linear(E, 2 * H * D, bias=b, rngs=rngs, dtype=dt)  # query and output gate, per head
+        self.k_proj = Linear(E, K * D, bias=b, rngs=rngs, dtype=dt)
+        self.v_proj = Linear(E, K * D, bias=b, rngs=rngs, dtype=dt)
+        self.o_proj = Linear(H * D, E, bias=b, rngs=rngs, dtype=dt)
+        self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps, dt)
+        self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps, dt)
+
+
+class HybridLayer(nnx.Module):
+    def __init__(self, cfg: HybridConfig, kind: str, rngs: nnx.Rngs):
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        if kind == "linear_attention":
+            self.linear_attn, self.self_attn = GatedDeltaNet(cfg, rngs), None
+        else:
+            self.linear_attn, self.self_attn = None, GatedAttention(cfg, rngs)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=cfg.dtype)
+
+
+class HybridModel(nnx.Module):
+    """A hybrid causal LM. `config` is static; every array is an `nnx.Param`. `embed_tokens` and
+    `lm_head` have the dense model's layout, so `transformer.embed` / `transformer.lm_head` (and
+    the drafters that share them) work on it unchanged."""
+
+    def __init__(self, cfg: HybridConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.dtype))
+        self.layers = nnx.List([HybridLayer(cfg, t, rngs) for t in cfg.layer_types])
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs, dtype=cfg.dtype)
+
+
+def init_model(cfg: HybridConfig, seed: int = 0) -> HybridModel:
+    return HybridModel(cfg, nnx.Rngs(seed))
+
+
+# ----------------------------------------------------------------------------- cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """The committed state of a hybrid model, plus (after `forward`) the per-node scratch states.
+
+    `length` (committed tokens per row) is the attention cache's: one count for every layer.
+    """
+    kv: KVCache  # the full-attention layers only: [L_attn, B, C, K, D]
+    state: Float[Array, "L_lin B H dk dv"]  # committed delta-rule state (float32)
+    conv: Float[Array, "L_lin B K-1 C"]  # committed convolution inputs: the last K-1, oldest first
+    node_state: Float[Array, "L_lin B T H dk dv"] | None = None  # per node of the last forward block
+    node_conv: Float[Array, "L_lin B T K-1 C"] | None = None
+
+    @property
+    def length(self) -> Int[Array, "B"]:
+        return self.kv.length
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
+
+def init_cache(model: HybridModel, batch: int, capacity: int) -> HybridCache:
+    cfg = model.config
+    L_lin = len(cfg.linear_layers)
+    Hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kv = kvcache.init(len(cfg.attention_layers), batch, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    return HybridCache(kv=kv, state=jnp.zeros((L_lin, batch, Hv, dk, dv), jnp.float32),
+                       conv=jnp.zeros((L_lin, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), cfg.dtype))
+
+
+def node_state_bytes(cfg: HybridConfig) -> int:
+    """Bytes of the per-node state buffer for one tree node of one row (all DeltaNet layers):
+    the float32 delta-rule state [H_v, dk, dv] and the K-1 convolution inputs [K-1, C]."""
+    L_lin = len(cfg.linear_layers)
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * jnp.dtype(cfg.dtype).itemsize
+    return L_lin * (state + conv)
+
+
+def cache_bytes(cfg: HybridConfig, batch: int, capacity: int) -> int:
+    """Bytes of the committed cache: attention K/V at `capacity` plus the recurrent states."""
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    kv = 2 * len(cfg.attention_layers) * batch * capacity * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return kv + batch * node_state_bytes(cfg)
+
+
+def commit(cache: HybridCache, path_BxP: Int[Array, "B P"], n_keep_B) -> HybridCache:
+    """After `forward` over a tree: keeps the accepted path (node ids, root first) of each row.
+
+    The attention layers' K/V of `path[:, :n_keep]` become contiguous (`kvcache.commit_path`), the
+    delta-rule and convolution states become those of node `path[b, n_keep - 1]`; a row with
+    n_keep = 0 keeps its state. The per-node buffers are dropped.
+    """
+    if cache.node_state is None:
+        raise ValueError("commit needs the per-node states of a forward block; run forward first")
+    n_keep_B = n_keep_B.astype(jnp.int32)
+    last_B = jnp.take_along_axis(path_BxP, jnp.maximum(n_keep_B - 1, 0)[:, None], axis=1)[:, 0]
+    last_B = jnp.clip(last_B, 0, cache.node_state.shape[2] - 1)
+    keep_B = n_keep_B > 0
+
+    def select(nodes_LxBxTx, committed_LxBx):
+        picked = jax.vmap(lambda x, i: x[:, i], in_axes=(1, 0), out_axes=1)(nodes_LxBxTx, last_B)
+        keep = keep_B.reshape((1, -1) + (1,) * (committed_LxBx.ndim - 2))
+        return jnp.where(keep, picked.astype(committed_LxBx.dtype), committed_LxBx)
+
+    return HybridCache(kv=kvcache.commit_path(cache.kv, path_BxP, n_keep_B),
+                       state=select(cache.node_state, cache.state),
+                       conv=select(cache.node_conv, cache.conv))
+
+
+# ----------------------------------------------------------------------------- functions
+
+def offset_rms_norm(norm: OffsetRMSNorm, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    return (x32 * (1.0 + norm.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(norm: RMSNorm, x, gate):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    h = norm.weight[...] * x32.astype(x.dtype)
+    return (h * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_cos_sin(cfg: HybridConfig, positions_BxT: Positions):
+    """cos/sin [B, T, rotary_dim] of the partial RoPE."""
+    R = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
+    freqs = positions_BxT[..., None].astype(jnp.float32) * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_partial_rope(x_BxTxHxD, cos_BxTxR, sin_BxTxR):
+    R = cos_BxTxR.shape[-1]
+    rot, rest = x_BxTxHxD[..., :R], x_BxTxHxD[..., R:]
+    half = R // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    cos, sin = cos_BxTxR[:, :, None, :].astype(x_BxTxHxD.dtype), sin_BxTxR[:, :, None, :].astype(x_BxTxHxD.dtype)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1).astype(x_BxTxHxD.dtype)
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _deltanet_inputs(la: GatedDeltaNet, cfg: HybridConfig, h_BxTxE):
+    """Projections: conv input [B, T, C] (q, k, v flattened), z [B, T, Hv, dv], b and a [B, T, Hv]."""
+    B, T, _ = h_BxTxE.shape
+    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = Hv // Hk
+    qkvz = linear(la.in_proj_qkvz, h_BxTxE).reshape(B, T, Hk, 2 * dk + 2 * r * dv)
+    q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
+    v, z = qkvz[..., 2 * dk:2 * dk + r * dv], qkvz[..., 2 * dk + r * dv:]
+    ba = linear(la.in_proj_ba, h_BxTxE).reshape(B, T, Hk, 2 * r)
+    b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
+    mixed = jnp.concatenate([q.reshape(B, T, Hk * dk), k.reshape(B, T, Hk * dk), v.reshape(B, T, Hv * dv)], axis=-1)
+    return mixed, z.reshape(B, T, Hv, dv), b, a
+
+
+def _deltanet_qkvgb(la: GatedDeltaNet, cfg: HybridConfig, conv_out_BxTxC, b, a):
+    """After the convolution: float32 q, k (L2-normed, repeated to the value heads, q scaled),
+    v, the log-decay g and beta."""
+    B, T, _ = conv_out_BxTxC.shape
+    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    x = conv_out_BxTxC.astype(jnp.float32)
+    q = x[..., :Hk * dk].reshape(B, T, Hk, dk)
+    k = x[..., Hk * dk:2 * Hk * dk].reshape(B, T, Hk, dk)
+    v = x[..., 2 * Hk * dk:].reshape(B, T, Hv, dv)
+    q, k = jnp.repeat(q, Hv // Hk, axis=2), jnp.repeat(k, Hv // Hk, axis=2)
+    q = l2norm(q) / math.sqrt(dk)
+    k = l2norm(k)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(la.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + la.dt_bias[...].astype(jnp.float32))
+    return q, k, v, g, beta
+
+
+def _deltanet_out(la: GatedDeltaNet, o_BxTxHxV, z_BxTxHxV, dtype):
+    B, T = o_BxTxHxV.shape[:2]
+    o = gated_rms_norm(la.norm, o_BxTxHxV.astype(dtype), z_BxTxHxV)
+    return linear(la.out_proj, o.reshape(B, T, -1))
+
+
+def delta_step(S_xHxKxV, q_xHxK, k_xHxK, v_xHxV, g_xH, beta_xH):
+    """The recurrent form: one gated delta-rule step (any leading batch dims). Returns (o, S')."""
+    S = S_xHxKxV * jnp.exp(g_xH)[..., None, None]
+    kv_mem = jnp.einsum("...hkv,...hk->...hv", S, k_xHxK)
+    delta = (v_xHxV - kv_mem) * beta_xH[..., None]
+    S = S + k_xHxK[..., :, None] * delta[..., None, :]
+    return jnp.einsum("...hkv,...hk->...hv", S, q_xHxK), S
+
+
+def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
+    """The chunked form (HF's torch_chunk_gated_delta_rule): T tokens per row on top of S0.
+
+    q, k [B, T, H, dk], v [B, T, H, dv], g, beta [B, T, H], all float32; a step with g = beta = 0
+    leaves the state unchanged (padding). Returns (o [B, T, H, dv], final state [B, H, dk, dv]).
+    """
+    B, T, H, _ = q.shape
+    dv = v.shape[-1]
+    c = max(1, min(chunk_size, T))
+    pad = (-T) % c
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    n = (T + pad) // c
+
+    def chunks(x):  # [B, T, H, d] -> [n, B, H, c, d]
+        return x.reshape(B, n, c, H, -1).transpose(1, 0, 3, 2, 4)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g = g.reshape(B, n, c, H).transpose(1, 0, 3, 2)  # [n, B, H, c]
+    beta = beta.reshape(B, n, c, H).transpose(1, 0, 3, 2)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # exp(cum_i - cum_j), j <= i
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    ut = jnp.where(strict, (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0) + jnp.eye(c, dtype=q.dtype)
+    u = jax.scipy.linalg.solve_triangular(ut, v_beta, lower=True, unit_diagonal=True)
+    w = jax.scipy.linalg.solve_triangular(ut, k_beta * jnp.exp(cum)[..., None], lower=True, unit_diagonal=True)
+    attn = (q @ jnp.swapaxes(k, -1, -2)) * decay
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def scan(S, xs):
+        u_i, w_i, q_i, k_i, attn_i, dec_i = xs
+        v_new = u_i - w_i @ S
+        o = q_i @ S + attn_i @ v_new
+        S = S * dec_i + jnp.swapaxes(k_i, -1, -2) @ v_new
+        return S, o
+
+    S, o = jax.lax.scan(scan, S0_BxHxKxV.astype(jnp.float32), (u, w, q_dec, k_dec, attn, chunk_decay))
+    o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * c, H, dv)[:, :T]
+    return o, S
+
+
+def delta_tree(q, k, v, g, beta, S0_BxHxKxV, parents_BxT):
+    """The tree form: node t's state is one delta step from its parent's (the committed S0 for
+    parent -1), propagated depth by depth into a per-node buffer. Returns (o [B, T, H, dv], the
+    per-node states [B, T, H, dk, dv]).
+
+    Each level updates every node from its parent's current state, so after d levels the nodes
+    of depth < d are exact: (max depth + 1) levels of T parallel updates (a chain of T costs T^2
+    updates; use `extend`, the chunked form, for long causal blocks)."""
+    B, T = parents_BxT.shape
+    S0 = S0_BxHxKxV.astype(jnp.float32)
+    if T == 1:  # one token: a single recurrent step
+        o, S = delta_step(S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+        return o[:, None], S[:, None]
+    has_parent = (parents_BxT >= 0)[:, :, None, None, None]
+    par = jnp.maximum(parents_BxT, 0)[:, :, None, None, None]
+
+    def level(_, buf):  # every node from its parent's current state: after d levels, depth < d is exact
+        parent_state = jnp.where(has_parent, jnp.take_along_axis(buf, par, axis=1), S0[:, None])
+        return delta_step(parent_state, q, k, v, g, beta)[1]
+
+    levels = jnp.max(tree_depth(parents_BxT)) + 1
+    buf = jax.lax.fori_loop(0, levels, level, jnp.broadcast_to(S0[:, None], (B, T) + S0.shape[1:]))
+    o = jnp.einsum("bthkv,bthk->bthv", buf, q)
+    return o, buf
+
+
+def tree_depth(parents_BxT) -> Int[Array, "B T"]:
+    """Depth of every node (0 for a node whose parent is -1), for topologically ordered parents."""
+    T = parents_BxT.shape[1]
+
+    def step(_, d):
+        pd = jnp.take_along_axis(d, jnp.maximum(parents_BxT, 0), axis=1)
+        return jnp.where(parents_BxT >= 0, pd + 1, 0)
+
+    return jax.lax.fori_loop(0, T, step, jnp.zeros_like(parents_BxT))
+
+
+def conv_chunked(x_BxTxC, conv_BxKm1xC, w_CxK, n_B):
+    """Causal depthwise convolution (+ SiLU) of T inputs after the committed K-1; returns the
+    outputs and the convolution state after each row's first n inputs."""
+    T = x_BxTxC.shape[1]
+    K = w_CxK.shape[1]
+    ext = jnp.concatenate([conv_BxKm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)  # [B, K-1+T, C]
+    out = sum(ext[:, j:j + T] * w_CxK[:, j] for j in range(K))
+    new_conv = jax.vmap(lambda e, s: jax.lax.dynamic_slice_in_dim(e, s, K - 1, axis=0))(ext, n_B.astype(jnp.int32))
+    return jax.nn.silu(out), new_conv
+
+
+def conv_tree(x_BxTxC, conv_BxKm1xC, w_CxK, parents_BxT):
+    """The convolution over a tree: node t's window is its K-1 nearest ancestors (continuing into
+    the committed state above the block) and itself. Returns (outputs [B, T, C], each node's own
+    convolution state [B, T, K-1, C])."""
+    B, T, _ = x_BxTxC.shape
+    K = w_CxK.shape[1]
+    ext = jnp.concatenate([conv_BxKm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)  # slot K-1+t is node t
+    e = jnp.broadcast_to(K - 1 + jnp.arange(T)[None], (B, T))
+    idx = [e]  # idx[m]: the m-th ancestor of each node, as a slot of ext
+    for _ in range(K - 1):
+        is_node = e >= K - 1
+        par = jnp.take_along_axis(parents_BxT, jnp.clip(e - (K - 1), 0, T - 1), axis=1)
+        e = jnp.where(is_node, jnp.where(par >= 0, K - 1 + par, K - 2), e - 1)
+        idx.append(jnp.maximum(e, 0))
+    window = jnp.stack([jnp.take_along_axis(ext, i[..., None], axis=1) for i in reversed(idx)], axis=2)  # [B,T,K,C]
+    out = jnp.einsum("btkc,ck->btc", window, w_CxK)
+    return jax.nn.silu(out), window[:, :, 1:]
+
+
+def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv: KVCache, idx: int, visible_BxTxC):
+    B, T, _ = h_BxTxE.shape
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(at.q_proj, h_BxTxE).reshape(B, T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
+    q = offset_rms_norm(at.q_norm, q)
+    k = offset_rms_norm(at.k_norm, linear(at.k_proj, h_BxTxE).reshape(B, T, K, D))
+    v = linear(at.v_proj, h_BxTxE).reshape(B, T, K, D)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    kv = kvcache.write(kv, idx, k, v)
+    o = attend(q, kv.k[idx], kv.v[idx], visible_BxTxC).reshape(B, T, H * D)
+    o = o * jax.nn.sigmoid(gate)
+    return linear(at.o_proj, o), kv
+
+
+def _mlp(layer: HybridLayer, x):
+    h = offset_rms_norm(layer.post_attention_layernorm, x)
+    mlp = layer.mlp
+    return x + linear(mlp.down_proj, jax.nn.silu(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+
+
+def embed(model: HybridModel, tokens_BxT: Tokens):
+    return model.embed_tokens[...][tokens_BxT]
+
+
+def lm_head(model: HybridModel, h_BxTxE) -> Logits:
+    if model.lm_head is None:
+        return (h_BxTxE @ model.embed_tokens[...].T).astype(jnp.float32)
+    return linear(model.lm_head, h_BxTxE).astype(jnp.float32)
+
+
+def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, block_mask_BxTxS, hidden_layers,
+         linear_fn):
+    """The layer stack. `linear_fn(la, j, mixed, z, b, a, state, conv) -> (out, extra)` runs DeltaNet
+    layer j (its index among the linear layers) and returns whatever the caller collects."""
+    cfg = model.config
+    x = embed(model, tokens_BxT)
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    visible = kvcache.visible_mask(cache.kv, block_mask_BxTxS)
+    kv, extras, hidden = cache.kv, [], {}
+    lin_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}
+    attn_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+    for i, layer in enumerate(model.layers):
+        h = offset_rms_norm(layer.input_layernorm, x)
+        if layer.linear_attn is not None:
+            j = lin_index[i]
+            mixed, z, b, a = _deltanet_inputs(layer.linear_attn, cfg, h)
+            out, extra = linear_fn(layer.linear_attn, j, mixed, z, b, a, cache.state[j], cache.conv[j])
+            extras.append(extra)
+        else:
+            out, kv = attention_layer(layer.self_attn, cfg, h, cos, sin, kv, attn_index[i], visible)
+        x = _mlp(layer, x + out)
+        if i in hidden_layers:
+            hidden[i] = x
+    h = offset_rms_norm(model.norm, x)
+    return h, kv, extras, tuple(hidden[i] for i in hidden_layers)
+
+
+def forward(model: HybridModel, tokens_BxT: Tokens, positions_BxT: Positions, cache: HybridCache,
+            block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (), parents=None) -> ForwardOutput:
+    """Runs a block of T nodes on top of each row's committed state; never commits.
+
+    `parents[b, t]` is node t's parent within the block (-1: its parent is the committed state);
+    None means a causal chain (`arange(T) - 1`). Nodes must be in topological order (parent < t).
+    The attention layers see the committed prefix plus the block under `block_mask` (their K/V go
+    to slots `length .. length+T-1`), as in `transformer.forward`; the DeltaNet layers follow
+    `parents`. The returned cache holds every node's delta-rule and convolution state in
+    `node_state` / `node_conv`, for `commit`.
+    """
+    cfg = model.config
+    B, T = tokens_BxT.shape
+    if parents is None:
+        parents = jnp.arange(T, dtype=jnp.int32)[None] - 1
+    parents_BxT = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, T))
+
+    def linear_fn(la, j, mixed, z, b, a, state, conv):
+        conv_out, node_conv = conv_tree(mixed, conv, la.conv1d.weight[...], parents_BxT)
+        q, k, v, g, beta = _deltanet_qkvgb(la, cfg, conv_out, b, a)
+        o, node_state = delta_tree(q, k, v, g, beta, state, parents_BxT)
+        return _deltanet_out(la, o, z, mixed.dtype), (node_state, node_conv)
+
+    h, kv, extras, hidden = _run(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers, linear_fn)
+    if extras:
+        node_state = jnp.stack([e[0] for e in extras])
+        node_conv = jnp.stack([e[1] for e in extras])
+    else:
+        node_state = jnp.zeros((0, B, T) + cache.state.shape[2:], jnp.float32)
+        node_conv = jnp.zeros((0, B, T) + cache.conv.shape[2:], cache.conv.dtype)
+    out_cache = dataclasses.replace(cache, kv=kv, node_state=node_state, node_conv=node_conv)
+    return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
+
+
+def extend(model: HybridModel, tokens_BxT: Tokens, n_B, cache: HybridCache, hidden_layers: tuple[int, ...] = (),
+           chunk_size: int = CHUNK_SIZE) -> ForwardOutput:
+    """The chunked form: each row's first n tokens of the right-padded block, on top of its
+    committed state, committed (length += n). Logits at padded positions are garbage."""
+    cfg = model.config
+    B, T = tokens_BxT.shape
+    n_B = jnp.asarray(n_B, jnp.int32)
+    positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    valid_BxT = jnp.arange(T)[None] < n_B[:, None]
+
+    def linear_fn(la, j, mixed, z, b, a, state, conv):
+        conv_out, new_conv = conv_chunked(mixed, conv, la.conv1d.weight[...], n_B)
+        q, k, v, g, beta = _deltanet_qkvgb(la, cfg, conv_out, b, a)
+        # Padding steps leave the state alone: no decay (g = 0), no write (beta = 0).
+        g, beta = jnp.where(valid_BxT[..., None], g, 0.0), jnp.where(valid_BxT[..., None], beta, 0.0)
+        o, new_state = delta_chunked(q, k, v, g, beta, state, chunk_size)
+        return _deltanet_out(la, o, z, mixed.dtype), (new_state, new_conv)
+
+    h, kv, extras, hidden = _run(model, tokens_BxT, positions, cache, causal_mask(B, T, n_B), hidden_layers, linear_fn)
+    state = jnp.stack([e[0] for e in extras]) if extras else cache.state
+    conv = jnp.stack([e[1] for e in extras]).astype(cache.conv.dtype) if extras else cache.conv
+    out_cache = HybridCache(kv=kvcache.advance(kv, n_B), state=state, conv=conv)
+    return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
+
+
+def reset(cache: HybridCache) -> HybridCache:
+    """An empty cache of the same shapes (length 0, zero states)."""
+    return HybridCache(kv=kvcache.set_length(cache.kv, jnp.zeros_like(cache.kv.length)),
+                       state=jnp.zeros_like(cache.state), conv=jnp.zeros_like(cache.conv))
+
+
+def prefill(model: HybridModel, tokens_BxP: Tokens, lengths_B, cache: HybridCache, hidden_layers=()) -> ForwardOutput:
+    """Right-padded prompts from an empty state (chunked form); commits each row's own length."""
+    return extend(model, tokens_BxP, lengths_B, reset(cache), hidden_layers)
+
+
+def decode_step(model: HybridModel, tokens_B, cache: HybridCache, hidden_layers=()) -> ForwardOutput:
+    """One token per row at position `cache.length` (recurrent form); commits it."""
+    B = tokens_B.shape[0]
+    out = forward(model, tokens_B[:, None], cache.length[:, None], cache, jnp.ones((B, 1, 1), bool), hidden_layers,
+                  parents=jnp.full((B, 1), -1, jnp.int32))
+    c = out.cache  # a block of one node: its K/V are already in place, its state is the new state
+    committed = HybridCache(kv=kvcache.advance(c.kv, jnp.ones((B,), jnp.int32)), state=c.node_state[:, :, 0],
+                            conv=c.node_conv[:, :, 0].astype(c.conv.dtype))
+    return dataclasses.replace(out, cache=committed)
+
+
+def num_params(model: HybridModel) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

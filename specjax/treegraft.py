@@ -1,0 +1,525 @@
+"""TreeGraft (design §6): a cheap drafter's tree, rescored and grafted by a strong drafter when a
+scheduler says it pays, as ONE composite drafter behind the ordinary protocol — the engine loop
+does not know it is there.
+
+Per round (`TreeGraft.propose`, inside the jitted loop):
+  1. the cheap drafter builds a candidate tree of M nodes, larger than the verify budget N (its own
+     spec: `cheap_tree`, by default a dynamic tree of about 2N nodes; an n-gram chain for n-gram);
+  2. the scheduler decides per row whether to invoke the strong drafter: policy "scheduler" (the
+     MLP of `specjax.scheduler` over features of the cheap tree), "always" or "never". The policy
+     and the calibration offset are traced values (`Setting` variables), so all policies share
+     one compiled program;
+  3. `lax.cond(any row wants it)`: the strong drafter scores the whole candidate tree in one pass
+     (`score(state, tree)`: one tree-attention forward for lm, depth by depth for feature) — skipped
+     entirely when no row wants it; for a batch, its results apply to the rows that asked only;
+  4. non-destructive rescoring: each node keeps the cheap drafter's cumulative log q and gains the
+     strong one's (`Proposal.scores`, a `SourceScores`); the ranking score is the strong score
+     where present, else the cheap score plus `calibration` per token (fit offline); ranks are
+     made monotone along paths (a child never outranks its parent), so selection stays connected;
+  5. graft: at each node above the verify depth, the strong drafter's top `graft_topk` tokens that
+     are not yet children become candidate children (source 1 = strong); the best `graft_nodes`
+     of them join the pool;
+  6. the best N nodes of the pool (cheap tree + grafts) are kept by `tree.select_nodes` (the
+     EAGLE-2 selection, shared with `tree._expand_dynamic`): connected, topological, parents
+     remapped. Verification must use the deterministic-candidates rule (or greedy), which is
+     lossless whatever drafter proposed which child: sampled rules are refused (`check_tree`).
+`commit` commits both drafters every round, so the strong drafter's cache stays current whether or
+not it ran. Per-row counters (invocations, grafted nodes proposed, accepted paths through a grafted
+node, accepted grafted tokens) ride in the drafter state; the engine returns them via `loop_stats`.
+
+`RoundStepper` runs single rounds from the host with the policy forced per call: the offline value
+system (`train/value_system.py`) and the oracle baseline of the benchmark use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import sampling, scheduler as sched_lib, tree as tree_lib, verify as verify_lib
+from specjax.drafters.base import Committed, DraftContext, Proposal, SourceScores
+from specjax.sampling import SamplingParams
+from specjax.tree import TreeBuffers
+
+POLICIES = ("never", "always", "scheduler")
+CHEAP, STRONG = 0, 1  # TreeBuffers.source of cheap and grafted nodes
+LOSSLESS_RULES = ("greedy", "deterministic")
+COUNTERS = ("invoked", "grafted_proposed", "grafted_paths", "grafted_tokens")
+
+
+class Setting(nnx.Variable):
+    """A traced TreeGraft setting (policy, calibration): changing it does not recompile."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    """What `propose` decided this round, for `commit`'s statistics and the value system."""
+    tokens: Any  # [B, N] the verified tree
+    parents: Any
+    source: Any
+    valid: Any
+    invoked: Any  # bool [B]: the strong drafter scored / grafted this row
+    features: Any  # [B, F] scheduler features of the cheap tree
+    n_grafted: Any  # int [B]: grafted nodes in the verified tree
+    calib_sum: Any  # f32 [B]: sum over the cheap tree's scored nodes of (strong - cheap) local log q
+    calib_n: Any  # f32 [B]: how many nodes that sum covers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GraftState:
+    cheap: Any
+    strong: Any
+    tau_ema: Any  # f32 [B]
+    last_accepted: Any  # int32 [B]
+    counters: dict  # name -> int32 [B]
+    pending: RoundInfo | None = None  # set by propose, consumed by commit
+
+
+# ----------------------------------------------------------------------------- tree functions
+
+def sanitize(tree: TreeBuffers, max_depth: int) -> TreeBuffers:
+    """The root always valid; any other node only where its parent is valid and depth <= max_depth."""
+    N = tree.num_nodes
+    root = jnp.arange(N)[None] == 0
+    par = jnp.maximum(tree.parents, 0)
+    valid = root | (tree.valid & (tree.depth <= max_depth) & (tree.parents >= 0))  # the root always is
+    valid = jax.lax.fori_loop(0, max_depth, lambda _, v: v & (root | jnp.take_along_axis(v, par, axis=1)), valid)
+    return dataclasses.replace(tree, valid=valid)
+
+
+def path_sum(local_BxN, parents_BxN, max_depth: int):
+    """Cumulative sums from the root: out[i] = local[i] + out[parent(i)] (root: its own local)."""
+    par = jnp.maximum(parents_BxN, 0)
+    has = parents_BxN >= 0
+    return jax.lax.fori_loop(
+        0, max_depth, lambda _, c: local_BxN + jnp.where(has, jnp.take_along_axis(c, par, axis=1), 0.0), local_BxN)
+
+
+def path_min(rank_BxN, parents_BxN, max_depth: int):
+    """out[i] = min(rank[i], out[parent(i)]): no node outranks an ancestor."""
+    par = jnp.maximum(parents_BxN, 0)
+    has = parents_BxN >= 0
+    return jax.lax.fori_loop(
+        0, max_depth,
+        lambda _, c: jnp.where(has, jnp.minimum(rank_BxN, jnp.take_along_axis(c, par, axis=1)), rank_BxN), rank_BxN)
+
+
+def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_nodes: int, max_depth: int,
+               graft_nodes: int, calibration=0.0):
+    """Rescore, graft and select (steps 4-6 of the module docstring), a pure function.
+
+    cheap: the cheap drafter's candidate tree [B, M] (score = its cumulative log q);
+    strong_local: [B, M] the strong drafter's log q of each node's token given its parent;
+    top_tok, top_lq: [B, M, k] the strong drafter's top-k tokens and log q at each node;
+    use_B: bool [B], rows where the strong drafter ran (elsewhere its inputs are ignored).
+    Returns (TreeBuffers [B, num_nodes], SourceScores [B, num_nodes], grafted nodes kept [B]).
+    """
+    B, M = cheap.tokens.shape
+    N, D, G = num_nodes, max_depth, graft_nodes
+    k = top_tok.shape[-1]
+    cheap = sanitize(cheap, D)
+    valid = cheap.valid
+    root = jnp.arange(M)[None] == 0
+    use = use_B[:, None]
+    strong_cum = path_sum(jnp.where(root, 0.0, strong_local.astype(jnp.float32)), cheap.parents, D)
+    rank = jnp.where(use, strong_cum, cheap.score + calibration * cheap.depth)
+    rank = jnp.where(valid, path_min(rank, cheap.parents, D), -jnp.inf)
+
+    if G > 0:
+        # is_child[b, u, j]: the strong top token j at node u is already a child of u
+        kid = valid[:, None, None, :] & (cheap.parents[:, None, None, :] == jnp.arange(M)[None, :, None, None])
+        is_child = jnp.any(kid & (cheap.tokens[:, None, None, :] == top_tok[..., None]), axis=-1)  # [B, M, k]
+        ok = use[..., None] & valid[..., None] & (cheap.depth < D)[..., None] & ~is_child & jnp.isfinite(top_lq)
+        cand = jnp.where(ok, strong_cum[..., None] + top_lq, -jnp.inf).reshape(B, M * k)
+        g_score, g_idx = jax.lax.top_k(cand, G)
+        g_par = (g_idx // k).astype(jnp.int32)
+        g_tok = jnp.take_along_axis(top_tok.reshape(B, M * k), g_idx, axis=1).astype(jnp.int32)
+        g_depth = jnp.take_along_axis(cheap.depth, g_par, axis=1) + 1
+        g_valid = jnp.isfinite(g_score)
+        g_rank = jnp.minimum(g_score, jnp.take_along_axis(rank, g_par, axis=1))
+    else:
+        g_score = g_rank = jnp.zeros((B, 0), jnp.float32)
+        g_par = g_tok = g_depth = jnp.zeros((B, 0), jnp.int32)
+        g_valid = jnp.zeros((B, 0), bool)
+    pad = max(N - (M + G), 0)  # a pool smaller than the budget is padded with invalid nodes
+    cat = lambda a, b, fill: jnp.concatenate([a, b, jnp.full((B, pad), fill, a.dtype)], axis=1)
+    p_valid = cat(valid, g_valid, False)
+    p_rank = cat(rank, g_rank, -jnp.inf)
+    tree, keep = tree_lib.select_nodes(
+        cat(cheap.tokens.astype(jnp.int32), g_tok, 0), cat(cheap.parents, g_par, -1),
+        cat(cheap.depth, g_depth, 0), p_rank, N, valid=p_valid,
+        source=cat(cheap.source.astype(jnp.int8), jnp.full((B, G), STRONG, jnp.int8), CHEAP))
+    gather = lambda x: jnp.take_along_axis(x, keep, axis=1)
+    has_cheap = cat(valid, jnp.zeros((B, G), bool), False)
+    has_strong = cat(valid & use, g_valid, False)
+    scores = SourceScores(
+        cheap=gather(jnp.where(has_cheap, cat(cheap.score, jnp.zeros((B, G)), 0.0), 0.0)),
+        strong=gather(jnp.where(has_strong, cat(strong_cum, g_score, 0.0), 0.0)),
+        has_cheap=gather(has_cheap) & tree.valid, has_strong=gather(has_strong) & tree.valid, origin=keep)
+    n_grafted = jnp.sum(tree.valid & (tree.source == STRONG), axis=1).astype(jnp.int32)
+    return tree, scores, n_grafted
+
+
+def grafted_on_path(info: RoundInfo, committed: Committed):
+    """(accepted path passes a grafted node [B], accepted grafted nodes [B]), from the committed
+    tokens: siblings carry distinct tokens, so the tokens name the accepted nodes."""
+    B, T = committed.tokens.shape
+    cur = jnp.zeros((B,), jnp.int32)
+    n = jnp.zeros((B,), jnp.int32)
+    for d in range(1, T):
+        match = info.valid & (info.parents == cur[:, None]) & (info.tokens == committed.tokens[:, d:d + 1])
+        hit = jnp.any(match, axis=1) & (d < committed.count)
+        nxt = jnp.argmax(match, axis=1).astype(jnp.int32)
+        cur = jnp.where(hit, nxt, cur)
+        n = n + (hit & (jnp.take_along_axis(info.source, nxt[:, None], axis=1)[:, 0] == STRONG)).astype(jnp.int32)
+    return n > 0, n
+
+
+# ----------------------------------------------------------------------------- the composite drafter
+
+class TreeGraft(nnx.Module):
+    """A cheap and a strong drafter (cheapest first) drafting one tree; see the module docstring.
+
+    cheap_tree: the cheap drafter's candidate tree spec (default: a dynamic tree of ~2N nodes at
+      the verify depth; a chain at the verify depth for n-gram);
+    graft_nodes: grafted candidates per round, at most N-1 (default: min(N-1, M*graft_topk));
+    graft_topk: the strong drafter's top tokens considered at each node;
+    calibration: per-token log-prob offset added to cheap-only paths' scores (fit offline);
+    tau_decay: the EMA decay of the scheduler's recent-tau feature.
+    """
+    name = "treegraft"
+
+    def __init__(self, cheap, strong, *, scheduler: sched_lib.Scheduler | None = None, policy: str = "always",
+                 calibration: float = 0.0, cheap_tree=None, graft_nodes: int | None = None, graft_topk: int = 2,
+                 tau_decay: float = 0.7):
+        if not callable(getattr(strong, "score", None)):
+            raise ValueError(f"the {strong.name!r} drafter cannot score another drafter's tree; it may only be "
+                             "TreeGraft's cheap drafter (the first one)")
+        if isinstance(cheap, TreeGraft) or isinstance(strong, TreeGraft):
+            raise ValueError("TreeGraft combines two plain drafters (cheap, strong), not another TreeGraft")
+        vc, vs = cheap.vocab_size, strong.vocab_size
+        if vc is not None and vs is not None and vc != vs:
+            raise ValueError(f"TreeGraft drafters must share one vocabulary: the cheap {cheap.name!r} drafter has "
+                             f"{vc} tokens, the strong {strong.name!r} drafter {vs}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown TreeGraft policy {policy!r}; choose from {', '.join(POLICIES)} "
+                             "(the oracle exists only in the evaluation: train/value_system.py)")
+        if policy == "scheduler" and scheduler is None:
+            raise ValueError("TreeGraft policy 'scheduler' needs a scheduler (load one with "
+                             "specjax.scheduler.load_scheduler)")
+        if int(graft_topk) != graft_topk or graft_topk < 0:
+            raise ValueError(f"graft_topk must be a non-negative integer, got {graft_topk}")
+        if graft_nodes is not None and (int(graft_nodes) != graft_nodes or graft_nodes < 0):
+            raise ValueError(f"graft_nodes must be a non-negative integer, got {graft_nodes}")
+        if not 0.0 <= tau_decay < 1.0:
+            raise ValueError(f"tau_decay must be in [0, 1), got {tau_decay}")
+        scheduler = scheduler if scheduler is not None else sched_lib.Scheduler()
+        sched_lib.check_layout(scheduler.config.feature_layout, scheduler.config.feature_names, "TreeGraft scheduler")
+        self.cheap = cheap
+        self.strong = strong
+        self.scheduler = scheduler
+        self.policy_code = Setting(jnp.int32(POLICIES.index(policy)))
+        self.calibration = Setting(jnp.float32(calibration))
+        self.cheap_tree = None if cheap_tree is None else tree_lib.parse_tree_spec(cheap_tree)
+        self.graft_nodes = None if graft_nodes is None else int(graft_nodes)
+        self.graft_topk = int(graft_topk)
+        self.tau_decay = float(tau_decay)
+
+    # -- configuration (host side)
+
+    @property
+    def vocab_size(self):
+        return self.strong.vocab_size if self.strong.vocab_size is not None else self.cheap.vocab_size
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.cheap.target_layers) | set(self.strong.target_layers)))
+
+    @property
+    def policy(self) -> str:
+        return POLICIES[int(self.policy_code.get_value())]
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown TreeGraft policy {policy!r}; choose from {', '.join(POLICIES)}")
+        self.policy_code.set_value(jnp.int32(POLICIES.index(policy)))
+
+    def plan(self, spec):
+        """(cheap tree spec, M cheap nodes, G graft slots, k top tokens) for a verify spec.
+        Raises ValueError where they do not fit together."""
+        N, D = spec.num_nodes, spec.max_depth
+        cspec = self.cheap_tree
+        if cspec is None:
+            if self.cheap.name == "ngram":
+                cspec = tree_lib.chain(D)
+            else:
+                k = spec.topk if isinstance(spec, tree_lib.DynamicTree) else 4
+                while 1 + k + (D - 1) * k * k < N + 2:
+                    k += 1
+                pool = 1 + k + (D - 1) * k * k
+                cspec = tree_lib.DynamicTree(D, k, min(2 * N, pool))
+        M = cspec.num_nodes
+        if cspec.max_depth > D:
+            raise ValueError(f"TreeGraft's cheap tree reaches depth {cspec.max_depth} but the verify tree only "
+                             f"{D}: use a cheap tree no deeper than the verify tree")
+        if self.cheap.name != "ngram" and M <= N:
+            raise ValueError(f"TreeGraft's cheap tree ({M} nodes) must be larger than the verify budget ({N} nodes): "
+                             "the strong drafter's scores choose among more candidates than are verified")
+        k = self.graft_topk
+        G = min(N - 1, M * k) if self.graft_nodes is None else self.graft_nodes
+        if G > N - 1:
+            raise ValueError(f"graft budget {G} does not fit the verify tree: at most N-1 = {N - 1} grafted nodes "
+                             f"can be verified (tree of {N} nodes)")
+        if G > M * k:
+            raise ValueError(f"graft budget {G} does not fit the cheap tree: its {M} nodes offer at most "
+                             f"{M} x graft_topk {k} = {M * k} graft candidates")
+        V = self.vocab_size
+        if V is not None and k > V:
+            raise ValueError(f"graft_topk {k} exceeds the vocabulary ({V})")
+        return cspec, M, G, k
+
+    def check_tree(self, spec, rule: str) -> int:
+        """Engine hook, on the host before tracing: refuses sampled rules and a bad plan; returns
+        the scratch slots the drafters need past their committed caches."""
+        if rule not in LOSSLESS_RULES:
+            raise ValueError(f"TreeGraft verifies trees whose nodes come from two drafters: it needs the "
+                             f"deterministic-candidates rule (verify='deterministic', or greedy at temperature 0), "
+                             f"not {rule!r}")
+        cspec, M, _, _ = self.plan(spec)
+        evaluated = cspec.pool_size if isinstance(cspec, tree_lib.DynamicTree) else M
+        return max(evaluated, M, spec.num_nodes)
+
+    def validate(self, capacity: int) -> None:
+        """Engine hook: each drafter's own checks against the cache capacity (e.g. FOLD's window)."""
+        for d in (self.cheap, self.strong):
+            if hasattr(d, "validate"):
+                d.validate(capacity)
+
+    # -- the protocol (traced)
+
+    def _sub_out(self, target_out, sub):
+        if not self.target_layers:
+            return target_out
+        return dataclasses.replace(target_out, hidden=tuple(
+            target_out.hidden[self.target_layers.index(layer)] for layer in sub.target_layers))
+
+    def _sub_committed(self, committed: Committed, sub) -> Committed:
+        if committed.features is None or not self.target_layers:
+            return committed
+        L = len(self.target_layers)
+        chunks = jnp.split(committed.features, L, axis=-1)
+        feats = (jnp.concatenate([chunks[self.target_layers.index(layer)] for layer in sub.target_layers], axis=-1)
+                 if sub.target_layers else None)
+        return dataclasses.replace(committed, features=feats)
+
+    def init(self, prompt_BxP, lengths_B, capacity, target_out) -> GraftState:
+        B = prompt_BxP.shape[0]
+        return GraftState(
+            cheap=self.cheap.init(prompt_BxP, lengths_B, capacity, self._sub_out(target_out, self.cheap)),
+            strong=self.strong.init(prompt_BxP, lengths_B, capacity, self._sub_out(target_out, self.strong)),
+            tau_ema=jnp.ones((B,), jnp.float32), last_accepted=jnp.zeros((B,), jnp.int32),
+            counters={c: jnp.zeros((B,), jnp.int32) for c in COUNTERS})
+
+    def _strong_pass(self, sstate, ctree: TreeBuffers, depth: int, k: int):
+        lq = self.strong.score(sstate, ctree, depth)  # [B, M, V]
+        B, M = ctree.tokens.shape
+        par = jnp.maximum(ctree.parents, 0)
+        local = lq[jnp.arange(B)[:, None], par, ctree.tokens]
+        local = jnp.where(ctree.parents >= 0, local, 0.0).astype(jnp.float32)
+        if k == 0:
+            return local, jnp.zeros((B, M, 0), jnp.int32), jnp.zeros((B, M, 0), jnp.float32)
+        top_lq, top_tok = jax.lax.top_k(lq, k)
+        return local, top_tok.astype(jnp.int32), top_lq.astype(jnp.float32)
+
+    def propose(self, state: GraftState, root_B, ctx: DraftContext) -> Proposal:
+        if ctx.mode != "topk":
+            raise ValueError("TreeGraft proposes deterministic candidates only (see check_tree)")
+        spec = ctx.spec
+        N, D = spec.num_nodes, spec.max_depth
+        cspec, M, G, k = self.plan(spec)
+        B = root_B.shape[0]
+        cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key, ctx.features))
+        ctree = sanitize(cp.tree, D)
+        features = sched_lib.tree_features(ctree, N, state.tau_ema, state.last_accepted)
+        code = self.policy_code.get_value()
+        want = jnp.where(code == POLICIES.index("scheduler"), self.scheduler.decide(features),
+                         jnp.broadcast_to(code == POLICIES.index("always"), (B,)))
+        skip = lambda: (jnp.zeros((B, M), jnp.float32), jnp.zeros((B, M, k), jnp.int32), jnp.zeros((B, M, k), jnp.float32))
+        strong_local, top_tok, top_lq = jax.lax.cond(
+            jnp.any(want), lambda: self._strong_pass(state.strong, ctree, cspec.max_depth, k), skip)
+        tree, scores, n_grafted = graft_tree(ctree, strong_local, top_tok, top_lq, want, num_nodes=N, max_depth=D,
+                                             graft_nodes=G, calibration=self.calibration.get_value())
+        # calibration statistic: strong minus cheap local log q over the cheap tree's scored nodes
+        par = jnp.maximum(ctree.parents, 0)
+        cheap_local = ctree.score - jnp.take_along_axis(ctree.score, par, axis=1)
+        scored = ctree.valid & (ctree.parents >= 0) & want[:, None]
+        diff = jnp.where(scored, strong_local - cheap_local, 0.0)
+        info = RoundInfo(tokens=tree.tokens, parents=tree.parents, source=tree.source, valid=tree.valid,
+                         invoked=want, features=features, n_grafted=n_grafted,
+                         calib_sum=diff.sum(1), calib_n=scored.sum(1).astype(jnp.float32))
+        return Proposal(tree=tree, probs=None, state=dataclasses.replace(state, cheap=cp.state, pending=info),
+                        scores=scores)
+
+    def commit(self, state: GraftState, committed: Committed) -> GraftState:
+        cheap = self.cheap.commit(state.cheap, self._sub_committed(committed, self.cheap))
+        strong = self.strong.commit(state.strong, self._sub_committed(committed, self.strong))
+        active = committed.count > 0
+        a = active.astype(jnp.int32)
+        d = self.tau_decay
+        tau_ema = jnp.where(active, d * state.tau_ema + (1 - d) * committed.count, state.tau_ema)
+        last = jnp.where(active, committed.count - 1, state.last_accepted).astype(jnp.int32)
+        counters = state.counters
+        if state.pending is not None:
+            info = state.pending
+            through, n_tok = grafted_on_path(info, committed)
+            add = dict(invoked=info.invoked.astype(jnp.int32), grafted_proposed=info.n_grafted,
+                       grafted_paths=through.astype(jnp.int32), grafted_tokens=n_tok)
+            counters = {c: counters[c] + a * add[c] for c in COUNTERS}
+        return GraftState(cheap=cheap, strong=strong, tau_ema=tau_ema.astype(jnp.float32), last_accepted=last,
+                          counters=counters, pending=None)
+
+    def loop_stats(self, state: GraftState) -> dict:
+        """Engine hook: per-row counters over the whole generation."""
+        return {f"treegraft_{c}": v for c, v in state.counters.items()}
+
+
+def build(drafters: Sequence, treegraft: str, **kwargs) -> TreeGraft:
+    """TreeGraft from a `--treegraft` value: 'always', 'never' or a scheduler directory."""
+    if len(drafters) != 2:
+        raise ValueError(f"TreeGraft combines exactly two drafters (cheap first, then strong), got {len(drafters)}")
+    if treegraft in ("always", "never"):
+        return TreeGraft(drafters[0], drafters[1], policy=treegraft, **kwargs)
+    sched, calibration, _ = sched_lib.load_scheduler(treegraft)
+    return TreeGraft(drafters[0], drafters[1], scheduler=sched, policy="scheduler", calibration=calibration, **kwargs)
+
+
+# ----------------------------------------------------------------------------- host-driven rounds
+
+class RoundStepper:
+    """One speculative round per call, from the host, with TreeGraft's policy chosen per call.
+
+    The same round as the engine's loop body (draft, verify, commit, emit with EOS and
+    max_new_tokens), jitted once for all policies (the policy is a traced Setting). `step` is a
+    pure function of the carry, so both branches of a round can run from the same state:
+    the value system and the oracle baseline.
+    """
+
+    def __init__(self, model, tg: TreeGraft, spec, *, max_new_tokens: int, rule: str = "greedy",
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=(), seed: int = 0,
+                 capacity: int | None = None):
+        from specjax import engine
+        self.model, self.tg = model, tg
+        self.spec = tree_lib.parse_tree_spec(spec)
+        self.rule = engine.resolve_rule(rule, temperature)
+        self.scratch = tg.check_tree(self.spec, self.rule)
+        self.max_new_tokens = int(max_new_tokens)
+        self.params = SamplingParams.make(temperature, top_k, top_p)
+        self.eos = jnp.asarray(engine._eos_array(model, eos_token_id))
+        self.key = jax.random.key(seed)
+        self.capacity = capacity
+        keep = tg.policy
+        self.states = {}
+        for p in POLICIES:
+            tg.set_policy(p)
+            self.graphdef, state = nnx.split((model, tg))
+            self.states[p] = jax.tree.map(lambda x: x, state)  # new Variables (same arrays): a snapshot
+        tg.set_policy(keep)
+
+    @property
+    def slack(self) -> int:
+        return max(self.scratch, self.spec.num_nodes) + self.spec.max_depth + 2
+
+    def capacity_for(self, prompts) -> int:
+        """One cache capacity that fits every prompt (so one compiled round serves them all)."""
+        from specjax import engine
+        longest = max(len(p) for p in prompts)
+        return engine.PROMPT_BUCKET * -(-longest // engine.PROMPT_BUCKET) + self.max_new_tokens + self.slack
+
+    def start(self, prompts):
+        from specjax import engine
+        slack = self.slack
+        batch = engine.prepare_prompts(prompts, self.model.config.vocab_size, self.max_new_tokens, self.capacity,
+                                       slack=slack)
+        self.tg.validate(batch.capacity)
+        return _start(self.graphdef, self.states["never"], jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+                      self.params, self.key, self.eos, capacity=batch.capacity, max_new_tokens=self.max_new_tokens,
+                      spec=self.spec, greedy=self.rule == "greedy")
+
+    def step(self, carry, policy: str):
+        """(next carry, info): info holds per-row arrays (accepted, active, invoked, features,
+        grafted path / tokens, calibration statistic) of this round."""
+        return _round(self.graphdef, self.states[policy], carry, self.params, self.key, self.eos,
+                      max_new_tokens=self.max_new_tokens, rule=self.rule, spec=self.spec)
+
+    @staticmethod
+    def done(carry) -> bool:
+        return bool(np.all(np.asarray(carry["done"])))
+
+    @staticmethod
+    def outputs(carry) -> list[list[int]]:
+        buf, n = np.asarray(carry["buf"]), np.asarray(carry["n_out"])
+        return [buf[b, :n[b]].tolist() for b in range(len(n))]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "max_new_tokens", "spec", "greedy"))
+def _start(graphdef, state, prompt_BxP, lengths_B, params, key, eos_E, *, capacity, max_new_tokens, spec, greedy):
+    from specjax import engine
+    from specjax.models import family
+    model, tg = nnx.merge(graphdef, state)
+    B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
+    fam = family(model)
+    out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity), hidden_layers=tg.target_layers)
+    root_B = sampling.sample(jax.random.fold_in(key, 0), engine.last_logits(out.logits, lengths_B), params, greedy)
+    return dict(r=jnp.int32(1), root=root_B, cache=out.cache, dstate=tg.init(prompt_BxP, lengths_B, capacity, out),
+                done=engine.is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
+                buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "rule", "spec"))
+def _round(graphdef, state, carry, params, key, eos_E, *, max_new_tokens, rule, spec):
+    from specjax import engine
+    from specjax.models import family
+    model, tg = nnx.merge(graphdef, state)
+    M, D = max_new_tokens, spec.max_depth
+    layers = tg.target_layers
+    fam = family(model)
+    r, root_B, cache, done_B, n_out_B, buf = (carry[k] for k in ("r", "root", "cache", "done", "n_out", "buf"))
+    k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
+    prop = tg.propose(carry["dstate"], root_B, DraftContext(spec, "topk", params, k_draft))
+    tree = prop.tree
+    tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+    vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params)
+    active = ~done_B
+    keep_B = jnp.where(active, vd.num_accepted + 1, 0)
+    features = None
+    if layers:
+        features = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
+    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
+                          positions=cache.length[:, None] + jnp.arange(D + 1)[None], features=features)
+    info = prop.state.pending
+    through, n_graft_tok = grafted_on_path(info, committed)
+    cache = fam.commit(tout.cache, vd.path, keep_B)
+    dstate = tg.commit(prop.state, committed)
+    i = jnp.arange(D + 1)[None]
+    n = vd.num_accepted[:, None]
+    emitted = jnp.where(i < n, jnp.pad(vd.tokens, ((0, 0), (0, 1))), jnp.where(i == n, vd.bonus[:, None], 0))
+    hit = engine.is_eos(emitted.reshape(-1), eos_E).reshape(emitted.shape) & (i <= n)
+    count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, vd.num_accepted + 1)
+    count = jnp.where(active, jnp.minimum(count, M - n_out_B), 0)
+    buf = engine._write_rows(buf, emitted, n_out_B)
+    n_out_B = n_out_B + count
+    done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
+    new = dict(r=r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate, done=done_B,
+               n_out=n_out_B, buf=buf)
+    out = dict(accepted=vd.num_accepted, emitted=count, active=active, invoked=info.invoked & active,
+               features=info.features, grafted_path=through & active, grafted_tokens=n_graft_tok,
+               n_grafted=info.n_grafted, calib_sum=info.calib_sum, calib_n=info.calib_n)
+    return new, out

@@ -1,0 +1,561 @@
+"""TreeGraft (design §6): a cheap and a strong drafter, one composite drafter in the unchanged loop.
+
+- greedy output equals autoregressive output for every policy (always / never / scheduler), for
+  lm+lm (a noisy copy of the target as the strong drafter, a tiny random model as the cheap one)
+  and ngram+lm, batch 1 and a ragged batch of 4; all policies share one compiled program;
+- the deterministic-candidates rule stays lossless on mixed-source trees built by `graft_tree`
+  (chi-square over 1e5 rounds, as tests/test_verify.py);
+- rescoring is non-destructive; grafting adds exactly the strong top tokens missing from the tree;
+  the selected tree stays connected and topological (property test); `score` equals each
+  drafter's own drafting distributions;
+- bad input is refused with a clear ValueError before anything is traced;
+- the value system and the distillation run end to end, and the CLI runs TreeGraft from their
+  export.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+import specjax
+from helpers import chi_square, compare_greedy
+from specjax import engine, scheduler as sched_lib, tree as T, verify as V
+from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+from specjax.sampling import SamplingParams
+from specjax.treegraft import STRONG, TreeGraft, graft_tree
+
+VOCAB = 64
+TREE = "depth=3,topk=3,nodes=8"  # the verify budget (as tools/bench_treegraft.py --smoke: shared compiles)
+NEW = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cheap_compiles():
+    """XLA's optimisation passes dominate these tests' time (tiny models, many programs): skip them
+    here, and restore the setting for the other modules. Results do not depend on it."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _noisy_copy(model, scale, seed):
+    """The model's weights plus noise (numpy: nothing to compile). Agrees with it often, not always."""
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(seed)
+    noisy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * np.std(np.asarray(x))
+                                               * rng.normal(size=x.shape), x.dtype), state)
+    return nnx.merge(graphdef, noisy)
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    return transformer.init_model(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def strong(target):
+    return LMDrafter(_noisy_copy(target, 0.1, 1))
+
+
+@pytest.fixture(scope="module")
+def cheap_lm():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    return LMDrafter(transformer.init_model(cfg, seed=5))
+
+
+def toy_scheduler(threshold=0.0):
+    """Invokes the strong drafter where the row accepted nothing last round: gelu(gelu(0.5 - last)) > 0.
+    Default architecture (32, 32), so it shares compiled programs with distilled schedulers."""
+    s = sched_lib.Scheduler(sched_lib.SchedulerConfig())
+    i = sched_lib.FEATURE_NAMES.index("last_accepted")
+    k0 = np.zeros((sched_lib.NUM_FEATURES, 32), np.float32)
+    k0[i, 0] = -1.0
+    b0 = np.zeros(32, np.float32)
+    b0[0] = 0.5
+    k1 = np.zeros((32, 32), np.float32)
+    k1[0, 0] = 1.0
+    k2 = np.zeros((32, 1), np.float32)
+    k2[0, 0] = 1.0
+    for layer, k, b in zip(s.layers, (k0, k1, k2), (b0, np.zeros(32), np.zeros(1))):
+        layer.kernel.set_value(jnp.asarray(k))
+        layer.bias.set_value(jnp.asarray(b, jnp.float32))
+    s.threshold.set_value(jnp.float32(threshold))
+    return s
+
+
+def _prompts(batch, seed, repetitive):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in (7, 23, 12, 40)[:batch]:
+        if repetitive:
+            out.append((rng.integers(0, VOCAB, 5).tolist() * 9)[:n])
+        else:
+            out.append(rng.integers(0, VOCAB, n).tolist())
+    return out
+
+
+def _logits_fn(model, prompts):
+    def fn(row, prefix):
+        ids = jnp.asarray([prompts[row] + list(prefix)], jnp.int32)
+        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), transformer.init_cache(model, 1, ids.shape[1]))
+        return np.asarray(out.logits[0, -1])
+    return fn
+
+
+# ----------------------------------------------------------------------------- greedy exactness
+
+@pytest.mark.parametrize("pair", ["lm+lm", "ngram+lm"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_autoregressive_for_every_policy(target, strong, cheap_lm, pair, batch):
+    cheap = cheap_lm if pair == "lm+lm" else NgramDrafter()
+    tg = TreeGraft(cheap, strong, scheduler=toy_scheduler(), policy="always")
+    prompts = _prompts(batch, seed=batch, repetitive=pair == "ngram+lm")
+    ref = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=())
+    traces = None
+    for policy in ("always", "never", "scheduler"):
+        tg.set_policy(policy)
+        got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[tg], tree=TREE)
+        n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), _logits_fn(target, prompts))
+        assert n_exact + n_near == batch, policy
+        st_ = got.stats
+        rounds, invoked = st_["rounds"], st_["treegraft_invoked"]
+        if policy == "always":
+            assert (invoked == rounds).all()
+            assert st_["treegraft_grafted_proposed"].sum() > 0
+            # the strong drafter is the target plus noise: its grafts are accepted
+            assert st_["treegraft_grafted_paths"].sum() > 0
+            assert (st_["treegraft_grafted_tokens"] >= st_["treegraft_grafted_paths"]).all()
+            assert (st_["treegraft_grafted_paths"] <= st_["accepted_at_depth"][:, 0]).all()
+        elif policy == "never":
+            assert (invoked == 0).all() and (st_["treegraft_grafted_proposed"] == 0).all()
+        else:
+            assert 0 < invoked.sum() < rounds.sum(), (invoked, rounds)
+        if traces is None:
+            traces = engine.trace_count()
+        assert engine.trace_count() == traces  # policies are traced values: one program for all
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+ROWS = 100_000
+CV = 6  # vocabulary of the synthetic tables
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_mixed_source_tree_is_lossless():
+    """Trees built by graft_tree from two drafters' tables (rows invoking the strong drafter at
+    random); the deterministic rule's first two emitted tokens follow the target exactly."""
+    rng = np.random.default_rng(3)
+    p0, p1 = rng.normal(size=CV) * 1.5, rng.normal(size=(CV, CV)) * 1.5  # target
+    c0, c1 = rng.normal(size=CV) * 1.5, rng.normal(size=(CV, CV)) * 1.5  # cheap drafter
+    s0, s1 = rng.normal(size=CV) * 1.5, rng.normal(size=(CV, CV)) * 1.5  # strong drafter
+    lc0, lc1 = np.log(_softmax(c0)), np.log(_softmax(c1))
+    ls0, ls1 = np.log(_softmax(s0)), np.log(_softmax(s1))
+    # cheap tree: root -> its top-2, each -> its top-1 (M = 5, depth 2); noise on the cheap scores
+    # varies the ranking between rows
+    top_c0 = np.argsort(-lc0)[:2]
+    M = 5
+    tok = np.zeros((ROWS, M), np.int32)
+    tok[:, 1:3] = top_c0
+    tok[:, 3] = np.argmax(lc1[top_c0[0]])
+    tok[:, 4] = np.argmax(lc1[top_c0[1]])
+    parents = np.array([-1, 0, 0, 1, 2], np.int32)
+    depth = np.array([0, 1, 1, 2, 2], np.int32)
+    local_c = np.zeros((ROWS, M), np.float32)
+    local_c[:, 1:3] = lc0[tok[:, 1:3]] + rng.normal(size=(ROWS, 2)) * 0.5
+    local_c[:, 3] = lc1[tok[:, 1], tok[:, 3]]
+    local_c[:, 4] = lc1[tok[:, 2], tok[:, 4]]
+    score = local_c.copy()
+    score[:, 3] += score[:, 1]
+    score[:, 4] += score[:, 2]
+    cheap = T.TreeBuffers(tokens=jnp.asarray(tok), parents=jnp.broadcast_to(jnp.asarray(parents), (ROWS, M)),
+                          depth=jnp.broadcast_to(jnp.asarray(depth), (ROWS, M)), valid=jnp.ones((ROWS, M), bool),
+                          score=jnp.asarray(np.minimum(score, 0.0)), source=jnp.zeros((ROWS, M), jnp.int8))
+    strong_local = np.zeros((ROWS, M), np.float32)
+    strong_local[:, 1:3] = ls0[tok[:, 1:3]]
+    strong_local[:, 3] = ls1[tok[:, 1], tok[:, 3]]
+    strong_local[:, 4] = ls1[tok[:, 2], tok[:, 4]]
+    dist = np.where(depth[None, :] == 0, 0, 1)
+    node_lq = np.where((dist == 0)[..., None], ls0[None, None, :], ls1[tok])  # [R, M, V] strong q at each node
+    top_tok = np.argsort(-node_lq, axis=-1)[..., :2].astype(np.int32)
+    top_lq = np.take_along_axis(node_lq, top_tok, axis=-1).astype(np.float32)
+    use = rng.random(ROWS) < 0.6
+    N = 6
+
+    @jax.jit
+    def build(cheap, sl, tt, tl, use):
+        return graft_tree(cheap, sl, tt, tl, use, num_nodes=N, max_depth=2, graft_nodes=3, calibration=-0.3)
+
+    tree, scores, n_grafted = build(cheap, jnp.asarray(strong_local), jnp.asarray(top_tok), jnp.asarray(top_lq),
+                                    jnp.asarray(use))
+    src, val = np.asarray(tree.source), np.asarray(tree.valid)
+    grafted_rows = ((src == STRONG) & val).any(1)
+    assert 0.3 < grafted_rows.mean() <= 0.6 + 0.01 and not grafted_rows[~use].any()
+    # target logits by node: p0 at the root, p1[token] at depth 1, anything at the leaves
+    toks, dep = np.asarray(tree.tokens), np.asarray(tree.depth)
+    logits = np.where((dep == 0)[..., None], p0[None, None], np.where((dep == 1)[..., None], p1[toks], 0.0))
+    vd = jax.jit(lambda t, lg, k: V.verify(t, lg, k, rule="deterministic", max_depth=2,
+                                           params=SamplingParams.make(1.0)))(tree, jnp.asarray(logits, jnp.float32),
+                                                                             jax.random.key(7))
+    n, t, b, path = (np.asarray(x) for x in (vd.num_accepted, vd.tokens, vd.bonus, vd.path))
+    first = np.where(n >= 1, t[:, 0], b)
+    second = np.where(n >= 2, t[:, 1], b)
+    stat, df, crit = chi_square(np.bincount(first, minlength=CV), _softmax(p0))
+    assert stat <= crit, f"first token: chi2 {stat:.1f} > {crit:.1f} (df {df})"
+    m = n >= 1
+    for x1 in range(CV):
+        sel = m & (first == x1)
+        if sel.sum() < 2000:
+            continue
+        stat, df, crit = chi_square(np.bincount(second[sel], minlength=CV), _softmax(p1[x1]))
+        assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
+    accepted_grafted = src[np.arange(ROWS), path[:, 1]] == STRONG
+    assert (accepted_grafted & m).mean() > 0.05  # grafted nodes really are accepted, sometimes
+    assert 0.2 < m.mean() < 0.98
+
+
+# ----------------------------------------------------------------------------- rescoring and grafting
+
+def _small_tree(tokens, parents, score, valid=None):
+    tokens, parents = np.asarray([tokens], np.int32), np.asarray([parents], np.int32)
+    depth = np.zeros_like(parents)
+    for i in range(1, parents.shape[1]):
+        depth[0, i] = depth[0, parents[0, i]] + 1
+    return T.TreeBuffers(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents), depth=jnp.asarray(depth),
+                         valid=jnp.asarray(np.ones_like(tokens, bool) if valid is None else [valid]),
+                         score=jnp.asarray([score], jnp.float32), source=jnp.zeros(tokens.shape, jnp.int8))
+
+
+def test_grafting_adds_the_strong_top_tokens_missing_from_the_tree():
+    graft = jax.jit(graft_tree, static_argnames=("num_nodes", "max_depth", "graft_nodes"))
+    # root(10) -> 3, 5 ; 3 -> 7 (depth 2 = the verify depth: no grafts below it)
+    cheap = _small_tree([10, 3, 5, 7], [-1, 0, 0, 1], [0.0, -0.5, -1.0, -1.2])
+    top_tok = jnp.asarray([[[5, 9], [7, 2], [1, 4], [8, 6]]], jnp.int32)  # strong top-2 at each node
+    top_lq = jnp.log(jnp.asarray([[[0.5, 0.3], [0.6, 0.2], [0.4, 0.3], [0.9, 0.1]]], jnp.float32))
+    strong_local = jnp.log(jnp.asarray([[1.0, 0.1, 0.5, 0.6]], jnp.float32))
+    tree, scores, n_grafted = graft(cheap, strong_local, top_tok, top_lq, jnp.asarray([True]),
+                                    num_nodes=10, max_depth=2, graft_nodes=4)
+    tok, par, src, val = (np.asarray(x)[0] for x in (tree.tokens, tree.parents, tree.source, tree.valid))
+    kids = lambda u: sorted((int(tok[j]), int(src[j])) for j in range(len(tok)) if val[j] and par[j] == u)
+    assert kids(0) == [(3, 0), (5, 0), (9, STRONG)]  # 5 was already a child: only 9 is grafted
+    node3 = int(np.nonzero(val & (tok == 3))[0][0])
+    node5 = int(np.nonzero(val & (tok == 5))[0][0])
+    assert kids(node3) == [(2, STRONG), (7, 0)]  # 7 existed, 2 grafted
+    assert kids(node5) == [(1, STRONG), (4, STRONG)]
+    assert int(n_grafted[0]) == 4 and int(val.sum()) == 8  # 4 cheap + 4 grafted, 2 padding slots
+    node7 = int(np.nonzero(val & (tok == 7))[0][0])
+    assert kids(node7) == []  # at the verify depth: nothing grafted below
+    # grafted scores: the strong cumulative log q; the strong score ranks the tree
+    g9 = int(np.nonzero(val & (tok == 9))[0][0])
+    assert np.isclose(float(scores.strong[0, g9]), np.log(0.3), atol=1e-6)
+    assert not bool(scores.has_cheap[0, g9]) and bool(scores.has_strong[0, g9])
+    # a smaller budget keeps the best grafts by strong score: 9 (0.3) and 1 (0.5 * 0.4 = 0.2)
+    tree2, _, _ = graft(cheap, strong_local, top_tok, top_lq, jnp.asarray([True]), num_nodes=10, max_depth=2,
+                        graft_nodes=2)
+    g = sorted(int(t) for t, s, v in zip(*(np.asarray(x)[0] for x in (tree2.tokens, tree2.source, tree2.valid)))
+               if v and s == STRONG)
+    assert g == [1, 9]
+    # a row that did not invoke the strong drafter: no grafts, cheap ranking (+ calibration)
+    tree3, sc3, n3 = graft(cheap, strong_local, top_tok, top_lq, jnp.asarray([False]), num_nodes=4,
+                           max_depth=2, graft_nodes=3, calibration=-0.1)
+    assert int(n3[0]) == 0 and np.asarray(tree3.tokens)[0].tolist() == [10, 3, 5, 7]
+    np.testing.assert_allclose(np.asarray(tree3.score)[0], [0.0, -0.6, -1.1, -1.4], atol=1e-6)
+    assert not np.asarray(sc3.has_strong).any()
+
+
+M_P, K_P, G_P, N_P, D_P, B_P = 10, 2, 4, 8, 3, 3
+
+
+@jax.jit
+def _graft_random(cheap, sl, tt, tl, use):
+    return graft_tree(cheap, sl, tt, tl, use, num_nodes=N_P, max_depth=D_P, graft_nodes=G_P, calibration=-0.2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_selection_is_connected_and_topological(seed):
+    rng = np.random.default_rng(seed)
+    parents = np.full((B_P, M_P), -1, np.int32)
+    depth = np.zeros((B_P, M_P), np.int32)
+    tokens = np.zeros((B_P, M_P), np.int32)
+    score = np.zeros((B_P, M_P), np.float32)
+    for b in range(B_P):
+        for i in range(1, M_P):
+            cand = [j for j in range(i) if depth[b, j] < D_P + 1]
+            parents[b, i] = rng.choice(cand)
+            depth[b, i] = depth[b, parents[b, i]] + 1
+            score[b, i] = score[b, parents[b, i]] + np.log(rng.uniform(0.05, 1.0))
+        tokens[b] = rng.permutation(20)[:M_P]  # distinct tokens: distinct siblings
+    valid = rng.random((B_P, M_P)) < 0.85
+    cheap = T.TreeBuffers(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents), depth=jnp.asarray(depth),
+                          valid=jnp.asarray(valid), score=jnp.asarray(score), source=jnp.zeros((B_P, M_P), jnp.int8))
+    top_tok = np.stack([[rng.permutation(20)[:K_P] for _ in range(M_P)] for _ in range(B_P)]).astype(np.int32)
+    top_lq = np.sort(np.log(rng.uniform(0.01, 0.5, (B_P, M_P, K_P))), axis=-1)[..., ::-1].astype(np.float32)
+    strong_local = np.log(rng.uniform(0.05, 1.0, (B_P, M_P))).astype(np.float32)
+    use = rng.random(B_P) < 0.5
+    tree, scores, _ = _graft_random(cheap, jnp.asarray(strong_local), jnp.asarray(top_tok), jnp.asarray(top_lq),
+                                    jnp.asarray(use))
+    tok, par, dep, val, sc, org = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depth, tree.valid,
+                                                           tree.score, scores.origin))
+    for b in range(B_P):
+        assert val[b, 0] and par[b, 0] == -1 and org[b, 0] == 0
+        assert len(set(org[b].tolist())) == N_P  # no pool node kept twice
+        for i in range(1, N_P):
+            if not val[b, i]:
+                continue
+            p = par[b, i]
+            assert 0 <= p < i and val[b, p]  # connected, topological
+            assert dep[b, i] == dep[b, p] + 1 and dep[b, i] <= D_P
+            assert sc[b, i] <= sc[b, p] + 1e-6  # a child never outranks its parent
+        sib = [(par[b, i], tok[b, i]) for i in range(1, N_P) if val[b, i]]
+        assert len(sib) == len(set(sib))  # distinct tokens among siblings
+        if not use[b]:
+            assert not (val[b] & (np.asarray(tree.source)[b] == STRONG)).any()
+
+
+def test_rescoring_is_non_destructive(target, strong, cheap_lm):
+    tg = TreeGraft(cheap_lm, strong, policy="always", calibration=-0.25)
+    spec = T.parse_tree_spec(TREE)
+    cspec, M, _, _ = tg.plan(spec)
+    batch = engine.prepare_prompts(_prompts(2, seed=11, repetitive=False), VOCAB, 8, slack=64)
+    graphdef, _ = nnx.split((target, tg))
+    ctx = DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0))
+
+    @jax.jit
+    def run(state, toks, lens):
+        model, g = nnx.merge(graphdef, state)
+        out = transformer.prefill(model, toks, lens, transformer.init_cache(model, toks.shape[0], batch.capacity))
+        dstate = g.init(toks, lens, batch.capacity, out)
+        root = jnp.argmax(engine.last_logits(out.logits, lens), -1).astype(jnp.int32)
+        prop = g.propose(dstate, root, ctx)
+        own = g.cheap.propose(dstate.cheap, root, DraftContext(cspec, "topk", ctx.params, ctx.key))
+        return prop.tree, prop.scores, own.tree
+
+    for policy in ("always", "never"):
+        tg.set_policy(policy)
+        tree, sc, own = run(nnx.state((target, tg)), jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
+        val, org, src = np.asarray(tree.valid), np.asarray(sc.origin), np.asarray(tree.source)
+        cheap_nodes = val & (src == 0)
+        own_score = np.take_along_axis(np.asarray(own.score), np.minimum(org, M - 1), axis=1)
+        # every cheap node still carries the cheap drafter's own cumulative log q
+        assert np.asarray(sc.has_cheap)[cheap_nodes].all()
+        np.testing.assert_allclose(np.asarray(sc.cheap)[cheap_nodes], own_score[cheap_nodes], atol=1e-5)
+        own_tok = np.take_along_axis(np.asarray(own.tokens), np.minimum(org, M - 1), axis=1)
+        assert (np.asarray(tree.tokens)[cheap_nodes] == own_tok[cheap_nodes]).all() and (org[cheap_nodes] < M).all()
+        if policy == "always":
+            assert np.asarray(sc.has_strong)[val].all()
+            np.testing.assert_allclose(np.asarray(tree.score)[val], np.asarray(sc.strong)[val], atol=1e-5)
+            assert not np.allclose(np.asarray(sc.strong)[cheap_nodes], np.asarray(sc.cheap)[cheap_nodes])
+            assert (val & (src == STRONG)).any() and not np.asarray(sc.has_cheap)[val & (src == STRONG)].any()
+        else:
+            assert not np.asarray(sc.has_strong).any() and not (src == STRONG).any()
+            expect = own_score - 0.25 * np.asarray(tree.depth)
+            np.testing.assert_allclose(np.asarray(tree.score)[val], expect[val], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["lm", "feature"])
+def test_score_equals_the_drafters_own_distributions(target, strong, kind):
+    """One scoring pass over a tree gives the same q at every node as the drafter's own
+    depth-by-depth drafting of that tree (static tree: its propose returns q per node)."""
+    drafter = strong if kind == "lm" else FeatureDrafter(
+        FeatureHead(FeatureConfig.for_target(target.config), nnx.Rngs(4)), target)
+    spec = T.parse_tree_spec("[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]")
+    prompts = _prompts(2, seed=5, repetitive=False)
+    batch = engine.prepare_prompts(prompts, VOCAB, 8, slack=16)
+    graphdef, state = nnx.split((target, drafter))
+
+    @jax.jit
+    def run(state, toks, lens):
+        model, d = nnx.merge(graphdef, state)
+        cache = transformer.init_cache(model, toks.shape[0], batch.capacity)
+        out = transformer.prefill(model, toks, lens, cache, hidden_layers=tuple(d.target_layers))
+        dstate = d.init(toks, lens, batch.capacity, out)
+        root = jnp.argmax(engine.last_logits(out.logits, lens), -1).astype(jnp.int32)
+        prop = d.propose(dstate, root, DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0)))
+        return prop.probs, jnp.exp(d.score(dstate, prop.tree, spec.max_depth))
+
+    own, scored = (np.asarray(x) for x in run(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths)))
+    inner = own.sum(-1) > 0.5  # nodes the drafter expanded (leaves are never evaluated by propose)
+    assert inner.sum() == 2 * 6  # every node above the last depth, both rows
+    np.testing.assert_allclose(scored[inner], own[inner], atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_is_refused_before_tracing(target, strong, cheap_lm, tmp_path):
+    before = engine.trace_count()
+    other = LMDrafter(transformer.init_model(ModelConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)))
+    with pytest.raises(ValueError, match="share one vocabulary"):
+        TreeGraft(other, strong)
+    with pytest.raises(ValueError, match="cannot score"):
+        TreeGraft(cheap_lm, NgramDrafter())
+    with pytest.raises(ValueError, match="unknown TreeGraft policy"):
+        TreeGraft(cheap_lm, strong, policy="oracle")
+    with pytest.raises(ValueError, match="needs a scheduler"):
+        TreeGraft(cheap_lm, strong, policy="scheduler")
+    p = _prompts(1, seed=0, repetitive=False)
+    gen = lambda tg, **kw: specjax.generate(target, p, max_new_tokens=8, drafters=[tg], **{"tree": TREE, **kw})
+    with pytest.raises(ValueError, match="graft budget 20 does not fit the verify tree"):
+        gen(TreeGraft(cheap_lm, strong, graft_nodes=20))
+    with pytest.raises(ValueError, match="graft budget 30 does not fit"):
+        gen(TreeGraft(NgramDrafter(), strong, graft_nodes=30), tree="depth=3,topk=8,nodes=40")
+    with pytest.raises(ValueError, match="larger than the verify budget"):
+        gen(TreeGraft(cheap_lm, strong, cheap_tree="depth=3,topk=3,nodes=6"))
+    with pytest.raises(ValueError, match="no deeper than the verify tree"):
+        gen(TreeGraft(cheap_lm, strong, cheap_tree="depth=5,topk=3,nodes=12"))
+    with pytest.raises(ValueError, match="deterministic-candidates rule"):
+        gen(TreeGraft(cheap_lm, strong), tree="chain=3", temperature=1.0, verify="sampled")
+    with pytest.raises(ValueError, match="deterministic-candidates rule"):
+        gen(TreeGraft(cheap_lm, strong), temperature=1.0, verify="sampled_noreplace")
+    with pytest.raises(ValueError, match="vocabulary"):  # the engine's own check still applies
+        specjax.generate(target, p, drafters=[TreeGraft(other, LMDrafter(other.model))], tree=TREE)
+    # a scheduler checkpoint for another feature layout
+    d = tmp_path / "sched"
+    sched_lib.save_scheduler(toy_scheduler(), str(d))
+    cfg = json.loads((d / sched_lib.CONFIG_FILE).read_text())
+    cfg["feature_layout"], cfg["feature_names"] = "treegraft-features-v0", cfg["feature_names"][:-1]
+    (d / sched_lib.CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="feature layout 'treegraft-features-v0'"):
+        sched_lib.load_scheduler(str(d))
+    with pytest.raises(ValueError, match="not a TreeGraft scheduler directory"):
+        sched_lib.load_scheduler(str(tmp_path))
+    assert engine.trace_count() == before
+
+
+# ----------------------------------------------------------------------------- offline pipeline + CLI
+
+@pytest.fixture(scope="module")
+def distilled(target, strong, tmp_path_factory):
+    from train import distill_scheduler, value_system
+    root = tmp_path_factory.mktemp("tg_value")
+    tg = TreeGraft(NgramDrafter(), strong, policy="never")
+    prompts = _prompts(3, seed=21, repetitive=True) + _prompts(2, seed=22, repetitive=False)
+    data = value_system.collect(target, tg, TREE, prompts, max_new_tokens=NEW, progress=False,
+                                prompt_sets=["rep"] * 3 + ["rand"] * 2)
+    out = value_system.write_dataset(root / "values", data, {"models": {"target": "tiny"}, "config": {"tree": TREE}})
+    summary = distill_scheduler.distill([out], root / "run", root / "sched",
+                                        distill_scheduler.DistillConfig(steps=30, eval_every=15, batch_size=64),
+                                        progress=False)
+    return root, data, summary
+
+
+def test_value_system_and_distillation_end_to_end(target, strong, distilled):
+    from train import distill_scheduler, value_system
+    root, data, summary = distilled
+    n = len(data["value"])
+    assert n > 10 and data["features"].shape == (n, sched_lib.NUM_FEATURES)
+    assert (data["time_on"] > 0).all() and (data["time_off"] > 0).all()
+    expect = (data["accepted_on"] + 1) / np.median(data["time_on"]) - (data["accepted_off"] + 1) / np.median(data["time_off"])
+    np.testing.assert_allclose(data["value"], expect, rtol=1e-4)
+    assert np.isfinite(data["calibration"]) and float(data["calibration"]) < 0
+    prov = json.loads((root / "values" / "provenance.json").read_text())
+    assert prov["feature_names"] == list(sched_lib.FEATURE_NAMES) and prov["records"] == n and prov["created"]
+    loaded, _ = value_system.load_dataset([root / "values"])
+    assert len(loaded["value"]) == n
+    # both formulations were fit and compared on held-out prompts; the export loads
+    assert set(summary["heldout"]) == {"classification", "regression"} and summary["chosen"] in summary["heldout"]
+    assert summary["heldout_prompts"] >= 1 and summary["train_prompts"] >= 1
+    for m in summary["heldout"].values():
+        assert 0.0 <= m["accuracy"] <= 1.0 and m["gain_oracle"] >= m["gain"] - 1e-3
+    assert (root / "run" / "classification" / "metrics.jsonl").is_file()
+    assert any(p.name.isdigit() for p in (root / "run" / "regression" / "checkpoints").iterdir())
+    sched, calibration, meta = sched_lib.load_scheduler(str(root / "sched"))
+    assert calibration == pytest.approx(float(data["calibration"]), rel=1e-5) and "heldout_accuracy" in meta
+    # a finished run resumes as a no-op; a run dir from another dataset is refused
+    distill_scheduler.distill([root / "values"], root / "run", None,
+                              distill_scheduler.DistillConfig(steps=30, eval_every=15, batch_size=64), progress=False)
+    with pytest.raises(distill_scheduler.RunRefused):
+        distill_scheduler.distill([root / "values"], root / "run", None,
+                                  distill_scheduler.DistillConfig(steps=30, hidden=(8,), batch_size=64), progress=False)
+    # the distilled scheduler drives the engine (greedy output unchanged)
+    from specjax import treegraft
+    tg = treegraft.build([NgramDrafter(), strong], str(root / "sched"))
+    p = _prompts(1, seed=1, repetitive=True)
+    ref = specjax.generate(target, p, max_new_tokens=NEW, eos_token_id=())
+    got = specjax.generate(target, p, max_new_tokens=NEW, eos_token_id=(), drafters=[tg], tree=TREE)
+    assert got.sequences() == ref.sequences()
+
+
+@pytest.fixture(scope="module")
+def model_dir(target, tmp_path_factory):
+    """The target saved with a word-level tokenizer of its tiny vocabulary: the CLI's programs are
+    the ones the tests above compiled (same configuration and shapes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "def", "add", "(", ")", ":", "a", "b", ",", "return", "+"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path_factory.mktemp("tg_cli"))
+    specjax.save_model(target, path, tokenizer=tok)
+    return path
+
+
+def test_cli_treegraft(capsys, model_dir, distilled):
+    from specjax.cli import main
+    root = distilled[0]
+    model = specjax.load_model(model_dir)
+    ids = specjax.load_tokenizer(model_dir).encode("def add ( a , b ) : return a + b").ids
+    ref = specjax.generate(model, [ids], max_new_tokens=NEW, eos_token_id=()).sequences()[0]
+    base = ["generate", "--model", model_dir, "--prompt", "def add ( a , b ) : return a + b", "--max-new-tokens",
+            str(NEW), "--ignore-eos", "--drafter", "ngram", "--drafter", model_dir, "--tree", TREE, "--json"]
+    for how in ("always", str(root / "sched")):
+        assert main(base + ["--treegraft", how]) == 0
+        [row] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert row["tokens"] == ref
+        tg = row["treegraft"]
+        assert set(tg) == {"invoked", "invoke_rate", "grafted_proposed", "grafted_accepted_paths",
+                           "grafted_accepted_tokens"}
+        if how == "always":
+            assert tg["invoked"] == row["rounds"] and tg["grafted_accepted_paths"] >= 1  # the target drafts itself
+
+    def usage_error(argv, message):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+    base = base[:-1]
+    usage_error(base, "add --treegraft")
+    usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--treegraft", "always"],
+                "exactly two --drafter")
+    usage_error(base + ["--treegraft", str(root)], "not a TreeGraft scheduler directory")
+    usage_error(base + ["--treegraft", "always", "--graft-nodes", "50"], "graft budget")
+    usage_error(base + ["--treegraft", "always", "--temperature", "1", "--verify", "sampled", "--tree", "chain=3"],
+                "deterministic-candidates")
+    usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--graft-nodes", "2"],
+                "need --treegraft")
+
+
+@pytest.mark.slow
+def test_bench_smoke(tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import bench_treegraft
+    out = tmp_path / "tg"
+    assert bench_treegraft.main(["--smoke", "--pairs", "ngram+lm", "--out", str(out)]) == 0
+    js = json.loads(out.with_suffix(".json").read_text())
+    sets = js["pairs"]["ngram+lm"]["sets"]
+    for rows in sets.values():
+        assert set(rows) == set(bench_treegraft.METHODS)
+        for m in ("never", "always", "scheduler", "oracle", "strong-only"):
+            assert rows[m]["same_as_cheap"] == "2/2"
+        assert rows["always"]["invoke_rate"] == 1.0 and rows["never"]["invoke_rate"] == 0.0
+    assert js["pairs"]["ngram+lm"]["scheduler_heldout_accuracy"] is not None
+    assert out.with_suffix(".png").stat().st_size > 0 and "| oracle |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,380 @@
+"""TreeGraft on the model zoo: does grafting a strong drafter onto a cheap drafter's tree, when the
+scheduler says so, beat either drafter alone?
+
+For each drafter pair (cheap+strong: ngram+feature, feature+lm, ngram+lm; lm = models/code-draft,
+feature = models/code-target-feature) and each prompt set cut from the corpus's TEST split
+(functions: function bodies; docstrings: docstrings / comments; tests: repetitive test code;
+long: the start of the longest files), greedy, batch 1, EOS ignored:
+
+  cheap-only, strong-only   the engine with one drafter and the verify tree (--tree);
+  never / always            TreeGraft with the policy forced (one compiled program for all policies);
+  scheduler                 TreeGraft with the distilled scheduler of the pair (--schedulers DIR/<pair>,
+                            written by train/distill_scheduler.py; `--train-schedulers` builds them first
+                            on TRAIN-split prompts with train/value_system.py);
+  oracle                    per round, the better branch in hindsight (both branches run from the same
+                            state by `RoundStepper`); its time is the sum of the engine's measured
+                            per-round cost of the chosen branch (never / always runs on the same prompts),
+                            so it is an estimate, in the same units as the rows above.
+
+Per method: tokens/s (total generated tokens / total time of the timed calls; compilation excluded
+by an untimed warm-up per prompt shape), tau (1 + accepted per round); for TreeGraft, the invoke
+rate (rounds where the strong drafter ran) and the share of accepted paths (rounds accepting >= 1
+token) that pass through a grafted node; the scheduler's held-out accuracy (from its
+distill_info.json); and the costs of one scheduler decision, one cheap-drafter proposal and one
+strong scoring pass (jitted alone, median). Every TreeGraft row is checked token for token against
+the cheap-only output (all are the target's greedy output).
+
+    python tools/bench_treegraft.py --smoke                       # tiny random models (what the test runs)
+    python tools/bench_treegraft.py --train-schedulers            # the zoo; builds missing schedulers first
+
+Writes <out>.md, <out>.json and <out>.png (default bench/bench_treegraft).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax import scheduler as sched_lib  # noqa: E402
+from specjax.drafters import DraftContext, LMDrafter, NgramDrafter  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+from specjax.treegraft import RoundStepper, TreeGraft  # noqa: E402
+
+PAIRS = ("ngram+feature", "feature+lm", "ngram+lm")
+SETS = ("functions", "docstrings", "tests", "long")
+METHODS = ("cheap-only", "strong-only", "never", "always", "scheduler", "oracle")
+
+
+# ----------------------------------------------------------------------------- setups
+
+def smoke_setup(seed: int = 0):
+    """Tiny random target; lm = a noisy copy of it, feature = a random feature head, ngram.
+    Evaluation and training prompts: random and repetitive token sequences."""
+    from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead
+    from specjax.models import transformer
+    cfg = specjax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    target = transformer.init_model(cfg, seed)
+    draft = transformer.init_model(cfg, seed)
+    leaves, tdef = jax.tree.flatten(nnx.state(draft, nnx.Param))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
+                                               for x, k in zip(leaves, keys)]))
+    feature = FeatureDrafter(FeatureHead(FeatureConfig.for_target(cfg), nnx.Rngs(seed + 2)), target)
+    drafters = {"lm": LMDrafter(draft), "feature": feature, "ngram": NgramDrafter()}
+    rng = np.random.default_rng(seed)
+
+    def make(n, repetitive):
+        out = []
+        for _ in range(n):
+            if repetitive:
+                out.append((rng.integers(0, 64, 5).tolist() * 8)[: int(rng.integers(12, 30))])
+            else:
+                out.append(rng.integers(0, 64, int(rng.integers(12, 30))).tolist())
+        return out
+    eval_sets = {"random": make(2, False), "repetitive": make(2, True)}
+    train = make(3, False) + make(3, True)
+    return target, drafters, eval_sets, train
+
+
+def zoo_setup(args):
+    from specjax.checkpoint import load_tokenizer
+    from specjax.drafters import load_drafter
+    from train import corpus, prompts as prompt_sets
+    target = specjax.load_model(args.target)
+    tok = load_tokenizer(args.target)
+    drafters = {"ngram": NgramDrafter()}
+    for name, path in (("lm", args.draft), ("feature", args.feature)):
+        if os.path.isdir(path):
+            drafters[name] = load_drafter(path, target)
+    eval_sets = {}
+    for s in args.sets.split(","):
+        if s == "long":
+            got = corpus.long_context_prompts(tok, lengths=(args.long_tokens,), per_length=args.prompts_per_set)
+            eval_sets[s] = [p["ids"] for p in got[args.long_tokens]]
+        else:
+            eval_sets[s] = [p["ids"] for p in prompt_sets.prompt_set(s, tok, args.prompts_per_set, split="test",
+                                                                    context_tokens=args.context)]
+    return target, drafters, eval_sets, tok
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def engine_run(target, drafter, prompts, tree, new_tokens, repeats) -> dict:
+    from specjax import engine
+    kw = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=[drafter], tree=tree)
+    seen = set()
+    for p in prompts:  # warm-up: one untimed call per prompt shape (compiles)
+        bucket = -(-len(p) // engine.PROMPT_BUCKET)
+        if bucket not in seen:
+            seen.add(bucket)
+            specjax.generate(target, [p], **kw)
+    times, results = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        results = [specjax.generate(target, [p], **kw) for p in prompts]
+        times.append(time.perf_counter() - t0)
+    st = lambda k: np.concatenate([r.stats[k] for r in results]) if k in results[0].stats else None
+    rounds, acc = st("rounds"), st("accepted")
+    tokens = sum(int(r.lengths.sum()) for r in results)
+    row = {"tokens": tokens, "seconds": float(np.median(times)), "tokens_per_s": tokens / float(np.median(times)),
+           "rounds": int(rounds.sum()), "tau": float(1 + acc.sum() / max(rounds.sum(), 1)),
+           "round_s": float(np.median(times)) / max(int(rounds.sum()), 1),
+           "sequences": [s for r in results for s in r.sequences()]}
+    if st("treegraft_invoked") is not None:
+        accepted_paths = int(st("accepted_at_depth")[:, 0].sum())
+        row.update(invoke_rate=float(st("treegraft_invoked").sum() / max(rounds.sum(), 1)),
+                   grafted_share=float(st("treegraft_grafted_paths").sum() / max(accepted_paths, 1)),
+                   grafted_proposed_per_round=float(st("treegraft_grafted_proposed").sum() / max(rounds.sum(), 1)))
+    return row
+
+
+def oracle_run(target, tg, tree, prompts, new_tokens, cost_never, cost_always) -> dict:
+    """Per round, the better branch in hindsight by tokens per second of the round, each branch
+    costed at the engine's measured per-round time."""
+    stepper = RoundStepper(target, tg, tree, max_new_tokens=new_tokens, eos_token_id=())
+    stepper.capacity = stepper.capacity_for(prompts)
+    tokens, seconds, rounds, acc, invoked, seqs = 0, 0.0, 0, 0, 0, []
+    for p in prompts:
+        carry = stepper.start([p])
+        while not stepper.done(carry):
+            c_off, i_off = stepper.step(carry, "never")
+            c_on, i_on = stepper.step(carry, "always")
+            a_off, a_on = int(np.asarray(i_off["accepted"])[0]), int(np.asarray(i_on["accepted"])[0])
+            on = (a_on + 1) / cost_always > (a_off + 1) / cost_never
+            carry, info = (c_on, i_on) if on else (c_off, i_off)
+            tokens += int(np.asarray(info["emitted"])[0])
+            seconds += cost_always if on else cost_never
+            rounds, acc, invoked = rounds + 1, acc + (a_on if on else a_off), invoked + int(on)
+        seqs += stepper.outputs(carry)
+    tokens += len(prompts)  # the first token of each row comes from prefill
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "rounds": rounds,
+            "tau": 1 + acc / max(rounds, 1), "invoke_rate": invoked / max(rounds, 1), "sequences": seqs,
+            "estimate": True}
+
+
+def costs(target, tg: TreeGraft, tree, prompt) -> dict:
+    """Median ms of one scheduler decision, one cheap proposal and one strong scoring pass."""
+    stepper = RoundStepper(target, tg, tree, max_new_tokens=8, eos_token_id=())
+    carry = stepper.start([prompt])
+    spec = stepper.spec
+    cspec, M, _, _ = tg.plan(spec)
+    ctx = DraftContext(cspec, "topk", SamplingParams.make(1.0), jax.random.key(0))
+    gc, sc = nnx.split(tg.cheap)
+    gs, ss = nnx.split(tg.strong)
+    cheap_fn = jax.jit(lambda s, st, root: nnx.merge(gc, s).propose(st, root, ctx).tree)
+    tree_c = cheap_fn(sc, carry["dstate"].cheap, carry["root"])
+    strong_fn = jax.jit(lambda s, st, t: nnx.merge(gs, s).score(st, t, cspec.max_depth))
+    return {"scheduler_ms": 1e3 * sched_lib.measure_cost(tg.scheduler, 1, M, spec.num_nodes),
+            "cheap_propose_ms": 1e3 * sched_lib.time_call(cheap_fn, sc, carry["dstate"].cheap, carry["root"]),
+            "strong_score_ms": 1e3 * sched_lib.time_call(strong_fn, ss, carry["dstate"].strong, tree_c),
+            "cheap_tree_nodes": M}
+
+
+def build_scheduler(target, tg, tree, train_prompts, sched_dir: Path, values_dir: Path, run_dir: Path, *,
+                    new_tokens, steps, provenance: dict, progress=False) -> Path:
+    """Value system on training prompts, then distillation, exported to sched_dir."""
+    from train import distill_scheduler, value_system
+    data = value_system.collect(target, tg, tree, train_prompts, max_new_tokens=new_tokens, progress=progress)
+    vdir = value_system.write_dataset(values_dir, data, {**provenance, "config": {"tree": tree,
+                                                                                 "max_new_tokens": new_tokens}})
+    distill_scheduler.distill([vdir], run_dir, sched_dir,
+                              distill_scheduler.DistillConfig(steps=steps, eval_every=max(steps // 4, 1)),
+                              progress=progress, overwrite=True)
+    return sched_dir
+
+
+def heldout_accuracy(sched_dir: Path):
+    info = sched_dir / "distill_info.json"
+    if not info.is_file():
+        return None
+    d = json.loads(info.read_text())
+    return d["heldout"][d["chosen"]]["accuracy"]
+
+
+# ----------------------------------------------------------------------------- output
+
+def write_outputs(results: dict, meta: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# TreeGraft benchmark ({meta['setup']})", "",
+             f"Greedy, batch 1, {meta['new_tokens']} new tokens per prompt, verify tree `{meta['tree']}`, "
+             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']}; "
+             f"load average before the run {meta['load_avg']:.2f}. Oracle: per-round hindsight choice, "
+             "costed with the engine's measured per-round time of each branch (an estimate).", "",
+             f"Command: `{meta['command']}`", ""]
+    for pair, res in results.items():
+        sets = list(res["sets"])
+        lines += [f"## {pair} (cheap {pair.split('+')[0]}, strong {pair.split('+')[1]})", "",
+                  "tokens/s (tau) per prompt set:", "",
+                  "| method | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
+        for m in METHODS:
+            cells = []
+            for s in sets:
+                r = res["sets"][s].get(m)
+                cells.append("—" if r is None else f"{r['tokens_per_s']:.1f} ({r['tau']:.2f})")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += ["", "TreeGraft: invoke rate / share of accepted paths through a grafted node / greedy output "
+                  "identical to cheap-only (prompts):", "",
+                  "| method | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+        for m in ("never", "always", "scheduler", "oracle"):
+            cells = []
+            for s in sets:
+                r = res["sets"][s].get(m)
+                if r is None:
+                    cells.append("—")
+                    continue
+                g = r.get("grafted_share")
+                cells.append(f"{r.get('invoke_rate', float('nan')):.2f} / {'—' if g is None else f'{g:.2f}'} / "
+                             f"{r.get('same_as_cheap', '—')}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        c = res["costs"]
+        acc = res.get("scheduler_heldout_accuracy")
+        lines += ["", f"Costs (median, jitted alone): scheduler decision {c['scheduler_ms']:.3f} ms, cheap proposal "
+                  f"({c['cheap_tree_nodes']}-node tree) {c['cheap_propose_ms']:.3f} ms, strong scoring pass "
+                  f"{c['strong_score_ms']:.3f} ms; scheduler / cheap proposal = "
+                  f"{c['scheduler_ms'] / max(c['cheap_propose_ms'], 1e-9):.2f}. Scheduler held-out accuracy: "
+                  f"{'—' if acc is None else f'{acc:.3f}'} ({res.get('scheduler_dir') or 'no scheduler'}).", ""]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    strip = lambda r: {k: v for k, v in r.items() if k != "sequences"}
+    js = {"meta": meta, "pairs": {p: {**{k: v for k, v in res.items() if k != "sets"},
+                                      "sets": {s: {m: strip(r) for m, r in d.items()} for s, d in res["sets"].items()}}
+                                  for p, res in results.items()}}
+    out.with_suffix(".json").write_text(json.dumps(js, indent=2) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (pair, res) in zip(axes[0], results.items()):
+        sets = list(res["sets"])
+        width = 0.8 / len(METHODS)
+        for i, m in enumerate(METHODS):
+            vals = [res["sets"][s].get(m, {}).get("tokens_per_s", 0.0) for s in sets]
+            ax.bar(np.arange(len(sets)) + i * width, vals, width, label=m)
+        ax.set_xticks(np.arange(len(sets)) + 0.4 - width / 2, sets)
+        ax.set_title(pair)
+        ax.set_ylabel("tokens/s")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"TreeGraft — {meta['setup']}")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(REPO / "models/code-target"))
+    ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="the lm drafter")
+    ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="the feature drafter")
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="cheap+strong pairs (default: %(default)s)")
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--prompts-per-set", type=int, default=8)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--long-tokens", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--tree", default="depth=5,topk=4,nodes=16", help="verify tree (budget and depth)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--schedulers", default=str(REPO / "models/treegraft"), help="DIR/<pair>: distilled schedulers")
+    ap.add_argument("--train-schedulers", action="store_true",
+                    help="build missing schedulers first (value system on train-split prompts + distillation)")
+    ap.add_argument("--value-prompts-per-set", type=int, default=8)
+    ap.add_argument("--distill-steps", type=int, default=2000)
+    ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
+    ap.add_argument("--out", default=None, help="output stem (default bench/bench_treegraft[_smoke])")
+    args = ap.parse_args(argv)
+    out = Path(args.out or REPO / ("bench/bench_treegraft_smoke" if args.smoke else "bench/bench_treegraft"))
+
+    if args.smoke:
+        target, drafters, eval_sets, train_prompts = smoke_setup()
+        args.new_tokens, args.repeats, args.tree = min(args.new_tokens, 12), 1, "depth=3,topk=3,nodes=8"
+        sched_root = out.parent / (out.name + "_schedulers")
+        args.train_schedulers, args.distill_steps = True, min(args.distill_steps, 60)
+    else:
+        if not os.path.isdir(args.target):
+            ap.error(f"{args.target}: no target model (train the zoo: make models)")
+        target, drafters, eval_sets, tok = zoo_setup(args)
+        sched_root = Path(args.schedulers)
+        train_prompts = None
+    results = {}
+    for pair in args.pairs.split(","):
+        cheap_name, _, strong_name = pair.partition("+")
+        if cheap_name not in drafters or strong_name not in drafters:
+            print(f"[bench_treegraft] skipping {pair}: drafter missing", file=sys.stderr)
+            continue
+        cheap, strong = drafters[cheap_name], drafters[strong_name]
+        sched_dir = sched_root / pair
+        if not (sched_dir / sched_lib.CONFIG_FILE).is_file() and args.train_schedulers:
+            print(f"[bench_treegraft] {pair}: building the scheduler ...", file=sys.stderr, flush=True)
+            if train_prompts is None:
+                from train.value_system import training_prompts
+                train_prompts = [p["ids"] for p in training_prompts(tok, SETS, args.value_prompts_per_set,
+                                                                     context_tokens=args.context,
+                                                                     long_tokens=args.long_tokens)]
+            if args.smoke:
+                values_dir, run_dir = sched_root / f"{pair}-values", sched_root / f"{pair}-run"
+                prov = {"models": {"setup": "smoke: tiny random models"}}
+            else:
+                from train.value_system import sha256_of
+                values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
+                paths = {"lm": args.draft, "feature": args.feature, "ngram": "ngram"}
+                prov = {"models": {"target": {"path": args.target, "sha256": sha256_of(args.target)},
+                                   **{role: {"spec": paths[n], "kind": n, "sha256": sha256_of(paths[n])}
+                                      for role, n in (("cheap", cheap_name), ("strong", strong_name))}},
+                        "prompts": {"split": "train", "sets": list(SETS), "per_set": args.value_prompts_per_set,
+                                    "context_tokens": args.context, "long_tokens": args.long_tokens}}
+            build_scheduler(target, TreeGraft(cheap, strong, policy="never"), args.tree, train_prompts, sched_dir,
+                            values_dir, run_dir, new_tokens=args.new_tokens, steps=args.distill_steps,
+                            provenance=prov, progress=not args.smoke)
+        if (sched_dir / sched_lib.CONFIG_FILE).is_file():
+            sched, calibration, _ = sched_lib.load_scheduler(str(sched_dir))
+            tg = TreeGraft(cheap, strong, scheduler=sched, policy="scheduler", calibration=calibration)
+        else:
+            sched_dir = None
+            tg = TreeGraft(cheap, strong, policy="never")
+        res = {"sets": {}, "scheduler_dir": None if sched_dir is None else str(sched_dir),
+               "scheduler_heldout_accuracy": None if sched_dir is None else heldout_accuracy(sched_dir)}
+        for s, prompts in eval_sets.items():
+            if not prompts:
+                continue
+            print(f"[bench_treegraft] {pair} / {s} ...", file=sys.stderr, flush=True)
+            row = {"cheap-only": engine_run(target, cheap, prompts, args.tree, args.new_tokens, args.repeats),
+                   "strong-only": engine_run(target, strong, prompts, args.tree, args.new_tokens, args.repeats)}
+            for policy in ("never", "always") + (("scheduler",) if sched_dir is not None else ()):
+                tg.set_policy(policy)
+                row[policy] = engine_run(target, tg, prompts, args.tree, args.new_tokens, args.repeats)
+            row["oracle"] = oracle_run(target, tg, args.tree, prompts, args.new_tokens,
+                                       row["never"]["round_s"], row["always"]["round_s"])
+            ref = row["cheap-only"]["sequences"]
+            for m in ("strong-only", "never", "always", "scheduler", "oracle"):
+                if m in row:
+                    row[m]["same_as_cheap"] = f"{sum(a == b for a, b in zip(ref, row[m]['sequences']))}/{len(ref)}"
+            res["sets"][s] = row
+        res["costs"] = costs(target, tg, args.tree, next(iter(eval_sets.values()))[0])
+        results[pair] = res
+    if not results:
+        print("no drafter pair could run", file=sys.stderr)
+        return 1
+    meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
+            "tree": args.tree, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "device": jax.devices()[0].device_kind, "platform": platform.platform(), "load_avg": os.getloadavg()[0],
+            "command": "python tools/bench_treegraft.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    write_outputs(results, meta, out)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
