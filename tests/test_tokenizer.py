@@ -50,8 +50,7 @@ def test_edge_cases_roundtrip(small_tokenizer, text):
 
 def test_shipped_tokenizer():
     path = REPO / "models" / "tokenizer" / "tokenizer.json"
-    if not path.exists():
-        pytest.skip("models/tokenizer/tokenizer.json not trained yet (python -m train.tokenizer --out models/tokenizer)")
+    assert path.exists(), "models/tokenizer/tokenizer.json is shipped with the repo"
     tok = Tokenizer.from_file(str(path))
     assert tok.get_vocab_size() == 8192
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2]

@@ -313,7 +313,7 @@ def main(argv=None):
     with open(args.out + ".md", "w") as f:
         f.write(text)
     with open(args.out + ".json", "w") as f:
-        json.dump(dict(device=dev.device_kind, platform=dev.platform, args=vars(args), peak_gbps=peak,
+        json.dump(dict(device=dev.device_kind, platform=dev.platform, args={**vars(args), "out": os.path.relpath(args.out, ROOT)}, peak_gbps=peak,
                        exactness={k: dict(max_rel_err=r, ok=o) for k, (r, o) in check.items()},
                        tree=tree_rows, far=far_rows), f, indent=1)
     print(f"wrote {args.out}.md and {args.out}.json")
