@@ -264,72 +264,87 @@ def _write_rows(buf_BxT, new_BxK, start_B):
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s,)))(buf_BxT, new_BxK, start_B)
 
 
+def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, *, capacity: int,
+               max_new_tokens: int, spec, greedy: bool) -> dict:
+    """Prefill target and drafter and emit the first token: the loop's initial carry."""
+    B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
+    fam = family(model)  # transformer or hybrid: the target's functions
+    out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
+                      hidden_layers=tuple(drafter.target_layers))
+    root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
+    return dict(r=jnp.int32(1), root=root_B, cache=out.cache,
+                dstate=drafter.init(prompt_BxP, lengths_B, capacity, out),
+                done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
+                buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
+                stats=dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
+                           accepted_at_depth=jnp.zeros((B, D), jnp.int32)))
+
+
+def spec_round(model, drafter, carry: dict, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
+               rule: str, spec, mode: str) -> tuple[dict, dict]:
+    """One round: draft a tree, verify it in one target forward, commit the accepted path in the
+    target and the drafter, emit accepted + bonus tokens (cut at EOS and max_new_tokens).
+
+    The body of the generation loop, and (jitted alone) the single round that TreeGraft's value
+    system steps from the host. Returns (next carry, this round's proposal / verdict / committed)."""
+    M, D = max_new_tokens, spec.max_depth
+    layers = tuple(drafter.target_layers)
+    fam = family(model)
+    r, root_B, cache, done_B, n_out_B, buf, stats = (carry[k] for k in ("r", "root", "cache", "done", "n_out",
+                                                                        "buf", "stats"))
+    k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
+    prop = drafter.propose(carry["dstate"], root_B, DraftContext(spec, mode, params, k_draft))
+    tree = prop.tree
+    tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+    vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params,
+                           draft_probs_BxNxV=prop.probs)
+    active = ~done_B
+    keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
+    features = None
+    if layers:  # target features along the accepted path, for feature drafters
+        features = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
+    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
+                          positions=cache.length[:, None] + jnp.arange(D + 1)[None], features=features)
+    cache = fam.commit(tout.cache, vd.path, keep_B)
+    dstate = drafter.commit(prop.state, committed)
+    # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
+    i = jnp.arange(D + 1)[None]
+    n = vd.num_accepted[:, None]
+    emitted = jnp.where(i < n, jnp.pad(vd.tokens, ((0, 0), (0, 1))), jnp.where(i == n, vd.bonus[:, None], 0))
+    hit = is_eos(emitted.reshape(-1), eos_E).reshape(emitted.shape) & (i <= n)
+    count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, vd.num_accepted + 1)
+    count = jnp.where(active, jnp.minimum(count, M - n_out_B), 0)
+    buf = _write_rows(buf, emitted, n_out_B)
+    n_out_B = n_out_B + count
+    done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
+    act = active.astype(jnp.int32)
+    stats = dict(rounds=stats["rounds"] + act,
+                 accepted=stats["accepted"] + act * vd.num_accepted,
+                 accepted_at_depth=stats["accepted_at_depth"]
+                 + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
+    new = dict(r=r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate, done=done_B,
+               n_out=n_out_B, buf=buf, stats=stats)
+    return new, dict(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
+
+
 @jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode"))
 def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, *,
                    capacity: int, max_new_tokens: int, rule: str, spec, mode: str):
     global _trace_count
     _trace_count += 1
     model, drafter = nnx.merge(graphdef, state)
-    B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
-    greedy = rule == "greedy"
-    layers = tuple(drafter.target_layers)
-    fam = family(model)  # transformer or hybrid: the target's functions
-    cache = fam.init_cache(model, B, capacity)
-    out = fam.prefill(model, prompt_BxP, lengths_B, cache, hidden_layers=layers)
-    root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
-    dstate = drafter.init(prompt_BxP, lengths_B, capacity, out)
-    buf = jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B)
-    done_B = is_eos(root_B, eos_E) | (M <= 1)
-    stats = dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
-                 accepted_at_depth=jnp.zeros((B, D), jnp.int32))
-    carry = (jnp.int32(1), root_B, out.cache, dstate, done_B, jnp.ones((B,), jnp.int32), buf, stats)
-
-    def cond(carry):
-        return ~jnp.all(carry[4])
-
-    def body(carry):
-        r, root_B, cache, dstate, done_B, n_out_B, buf, stats = carry
-        k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
-        prop = drafter.propose(dstate, root_B, DraftContext(spec, mode, params, k_draft))
-        tree = prop.tree
-        tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
-                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-        vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params,
-                               draft_probs_BxNxV=prop.probs)
-        active = ~done_B
-        keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
-        features = None
-        if layers:  # target features along the accepted path, for feature drafters
-            feats_BxNxF = jnp.concatenate(tout.hidden, axis=-1)
-            features = jnp.take_along_axis(feats_BxNxF, vd.path[..., None], axis=1)
-        committed = Committed(
-            tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1),
-            count=keep_B,
-            positions=cache.length[:, None] + jnp.arange(D + 1)[None],
-            features=features,
-        )
-        cache = fam.commit(tout.cache, vd.path, keep_B)
-        dstate = drafter.commit(prop.state, committed)
-        # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
-        i = jnp.arange(D + 1)[None]
-        n = vd.num_accepted[:, None]
-        emitted = jnp.where(i < n, jnp.pad(vd.tokens, ((0, 0), (0, 1))), jnp.where(i == n, vd.bonus[:, None], 0))
-        hit = is_eos(emitted.reshape(-1), eos_E).reshape(emitted.shape) & (i <= n)
-        count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, vd.num_accepted + 1)
-        count = jnp.where(active, jnp.minimum(count, M - n_out_B), 0)
-        buf = _write_rows(buf, emitted, n_out_B)
-        n_out_B = n_out_B + count
-        done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
-        act = active.astype(jnp.int32)
-        stats = dict(rounds=stats["rounds"] + act,
-                     accepted=stats["accepted"] + act * vd.num_accepted,
-                     accepted_at_depth=stats["accepted_at_depth"]
-                     + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
-        root_B = jnp.where(active, vd.bonus, root_B)
-        return r + 1, root_B, cache, dstate, done_B, n_out_B, buf, stats
-
-    _, _, _, dstate, _, n_out_B, buf, stats = jax.lax.while_loop(cond, body, carry)
+    M, D = max_new_tokens, spec.max_depth
+    carry = spec_start(model, drafter, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
+                       max_new_tokens=M, spec=spec, greedy=rule == "greedy")
+    carry = jax.lax.while_loop(
+        lambda c: ~jnp.all(c["done"]),
+        lambda c: spec_round(model, drafter, c, params, key, eos_E, max_new_tokens=M, rule=rule, spec=spec,
+                             mode=mode)[0],
+        carry)
+    stats = carry["stats"]
     if hasattr(drafter, "loop_stats"):  # a drafter's own per-row counters (TreeGraft)
-        stats = {**stats, **drafter.loop_stats(dstate)}
-    buf = jnp.where(jnp.arange(M + D + 1)[None] < n_out_B[:, None], buf, 0)[:, :M]
+        stats = {**stats, **drafter.loop_stats(carry["dstate"])}
+    n_out_B = carry["n_out"]
+    buf = jnp.where(jnp.arange(M + D + 1)[None] < n_out_B[:, None], carry["buf"], 0)[:, :M]
     return buf, n_out_B, stats

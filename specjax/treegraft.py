@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sampling, scheduler as sched_lib, tree as tree_lib, verify as verify_lib
+from specjax import scheduler as sched_lib, tree as tree_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal, SourceScores
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers
@@ -471,55 +471,25 @@ class RoundStepper:
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "max_new_tokens", "spec", "greedy"))
 def _start(graphdef, state, prompt_BxP, lengths_B, params, key, eos_E, *, capacity, max_new_tokens, spec, greedy):
     from specjax import engine
-    from specjax.models import family
     model, tg = nnx.merge(graphdef, state)
-    B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
-    fam = family(model)
-    out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity), hidden_layers=tg.target_layers)
-    root_B = sampling.sample(jax.random.fold_in(key, 0), engine.last_logits(out.logits, lengths_B), params, greedy)
-    return dict(r=jnp.int32(1), root=root_B, cache=out.cache, dstate=tg.init(prompt_BxP, lengths_B, capacity, out),
-                done=engine.is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
-                buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B))
+    carry = engine.spec_start(model, tg, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
+                              max_new_tokens=max_new_tokens, spec=spec, greedy=greedy)
+    return {k: v for k, v in carry.items() if k != "stats"}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "rule", "spec"))
 def _round(graphdef, state, carry, params, key, eos_E, *, max_new_tokens, rule, spec):
+    """The engine's round (`engine.spec_round`) plus TreeGraft's per-round record."""
     from specjax import engine
-    from specjax.models import family
     model, tg = nnx.merge(graphdef, state)
-    M, D = max_new_tokens, spec.max_depth
-    layers = tg.target_layers
-    fam = family(model)
-    r, root_B, cache, done_B, n_out_B, buf = (carry[k] for k in ("r", "root", "cache", "done", "n_out", "buf"))
-    k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
-    prop = tg.propose(carry["dstate"], root_B, DraftContext(spec, "topk", params, k_draft))
-    tree = prop.tree
-    tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
-                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-    vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params)
-    active = ~done_B
-    keep_B = jnp.where(active, vd.num_accepted + 1, 0)
-    features = None
-    if layers:
-        features = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
-    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
-                          positions=cache.length[:, None] + jnp.arange(D + 1)[None], features=features)
-    info = prop.state.pending
-    through, n_graft_tok = grafted_on_path(info, committed)
-    cache = fam.commit(tout.cache, vd.path, keep_B)
-    dstate = tg.commit(prop.state, committed)
-    i = jnp.arange(D + 1)[None]
-    n = vd.num_accepted[:, None]
-    emitted = jnp.where(i < n, jnp.pad(vd.tokens, ((0, 0), (0, 1))), jnp.where(i == n, vd.bonus[:, None], 0))
-    hit = engine.is_eos(emitted.reshape(-1), eos_E).reshape(emitted.shape) & (i <= n)
-    count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, vd.num_accepted + 1)
-    count = jnp.where(active, jnp.minimum(count, M - n_out_B), 0)
-    buf = engine._write_rows(buf, emitted, n_out_B)
-    n_out_B = n_out_B + count
-    done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
-    new = dict(r=r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate, done=done_B,
-               n_out=n_out_B, buf=buf)
-    out = dict(accepted=vd.num_accepted, emitted=count, active=active, invoked=info.invoked & active,
+    B, D = carry["root"].shape[0], spec.max_depth
+    stats = dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
+                 accepted_at_depth=jnp.zeros((B, D), jnp.int32))  # the engine's counters; unused here
+    new, rnd = engine.spec_round(model, tg, {**carry, "stats": stats}, params, key, eos_E,
+                                 max_new_tokens=max_new_tokens, rule=rule, spec=spec, mode="topk")
+    info, active, vd = rnd["proposal"].state.pending, rnd["active"], rnd["verdict"]
+    through, n_graft_tok = grafted_on_path(info, rnd["committed"])
+    out = dict(accepted=vd.num_accepted, emitted=rnd["emitted"], active=active, invoked=info.invoked & active,
                features=info.features, grafted_path=through & active, grafted_tokens=n_graft_tok,
                n_grafted=info.n_grafted, calib_sum=info.calib_sum, calib_n=info.calib_n)
-    return new, out
+    return {k: v for k, v in new.items() if k != "stats"}, out
