@@ -95,3 +95,27 @@ def chi_square(counts, probs, min_expected=5.0):
         return stat, 0, 0.0
     crit = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
     return stat, df, crit
+
+
+# Tiny models shared by the speculative-decoding tests.
+
+def tiny_target(vocab: int, seed: int = 0):
+    """A random 2-layer Llama-style target (O(1) logits: few near-ties)."""
+    from specjax.models import transformer
+    from specjax.models.config import ModelConfig
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    return transformer.init_model(cfg, seed=seed)
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """The model's weights plus noise (numpy: nothing to compile). Agrees with it often, not always:
+    a drafter with partial, row-varying acceptance."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(seed)
+    noisy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * np.std(np.asarray(x))
+                                               * rng.normal(size=x.shape), x.dtype), state)
+    return nnx.merge(graphdef, noisy)

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import compare_greedy
+from helpers import compare_greedy, noisy_copy, tiny_target
 from pallas_kernels import reference as ref
 from specjax import engine, fold, kvcache, tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter, load_drafter
@@ -42,20 +42,12 @@ FAR = FoldConfig(sinks=2, window=16, chunk=16, sharpen=0.5)  # far keys from ~34
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    return transformer.init_model(cfg, seed=0)
+    return tiny_target(VOCAB)
 
 
 @pytest.fixture(scope="module")
 def lm_drafter(target):
-    """The target with noise on every weight: it agrees often but not always."""
-    draft = transformer.init_model(target.config, seed=0)
-    leaves, treedef = jax.tree.flatten(nnx.state(draft, nnx.Param))
-    keys = jax.random.split(jax.random.key(9), len(leaves))
-    nnx.update(draft, jax.tree.unflatten(treedef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
-                                                   for x, k in zip(leaves, keys)]))
-    return LMDrafter(draft)
+    return LMDrafter(noisy_copy(target, 0.1, 9))
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,12 @@
 """Speculative generation: greedy output equals autoregressive greedy output token for token
 (every drafter, chain / static tree / dynamic tree, batch 1 and a ragged batch of 4), one
 compilation per configuration, and clear errors for bad input before anything is traced."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import specjax
-from helpers import compare_greedy
+from helpers import compare_greedy, noisy_copy, tiny_target
 from specjax import engine
 from specjax.drafters import LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -20,21 +18,12 @@ TREES = ["chain=4", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]", "depth=
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    return transformer.init_model(cfg, seed=0)
+    return tiny_target(VOCAB)
 
 
 @pytest.fixture(scope="module")
 def noisy_drafter(target):
-    """The target with noise on every weight: it agrees often but not always (partial acceptance)."""
-    draft = transformer.init_model(target.config, seed=0)
-    state = nnx.state(draft, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(9), len(leaves))
-    noisy = [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    nnx.update(draft, jax.tree.unflatten(treedef, noisy))
-    return LMDrafter(draft)
+    return LMDrafter(noisy_copy(target, 0.1, 9))
 
 
 @pytest.fixture(scope="module")

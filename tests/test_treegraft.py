@@ -25,7 +25,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
-from helpers import chi_square, compare_greedy
+from helpers import chi_square, compare_greedy, noisy_copy, tiny_target
 from specjax import engine, scheduler as sched_lib, tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -48,25 +48,14 @@ def _cheap_compiles():
     jax.config.update("jax_disable_most_optimizations", old)
 
 
-def _noisy_copy(model, scale, seed):
-    """The model's weights plus noise (numpy: nothing to compile). Agrees with it often, not always."""
-    graphdef, state = nnx.split(model)
-    rng = np.random.default_rng(seed)
-    noisy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * np.std(np.asarray(x))
-                                               * rng.normal(size=x.shape), x.dtype), state)
-    return nnx.merge(graphdef, noisy)
-
-
 @pytest.fixture(scope="module")
 def target():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    return transformer.init_model(cfg, seed=0)
+    return tiny_target(VOCAB)
 
 
 @pytest.fixture(scope="module")
 def strong(target):
-    return LMDrafter(_noisy_copy(target, 0.1, 1))
+    return LMDrafter(noisy_copy(target, 0.1, 1))
 
 
 @pytest.fixture(scope="module")
