@@ -119,3 +119,12 @@ def noisy_copy(model, scale: float, seed: int):
     noisy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * np.std(np.asarray(x))
                                                * rng.normal(size=x.shape), x.dtype), state)
     return nnx.merge(graphdef, noisy)
+
+
+def tiny_drafter_model(vocab: int, seed: int = 5):
+    """An independent 1-layer random LM with the same vocabulary (rarely agrees with the target)."""
+    from specjax.models import transformer
+    from specjax.models.config import ModelConfig
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    return transformer.init_model(cfg, seed=seed)

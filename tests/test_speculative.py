@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, noisy_copy, tiny_target
+from helpers import compare_greedy, noisy_copy, tiny_drafter_model, tiny_target
 from specjax import engine
 from specjax.drafters import LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -28,9 +28,7 @@ def noisy_drafter(target):
 
 @pytest.fixture(scope="module")
 def small_drafter():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16)
-    return LMDrafter(transformer.init_model(cfg, seed=5))
+    return LMDrafter(tiny_drafter_model(VOCAB))
 
 
 def _prompts(batch, seed=0, repetitive=False):

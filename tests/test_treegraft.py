@@ -25,7 +25,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
-from helpers import chi_square, compare_greedy, noisy_copy, tiny_target
+from helpers import chi_square, compare_greedy, noisy_copy, tiny_drafter_model, tiny_target
 from specjax import engine, scheduler as sched_lib, tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -60,9 +60,7 @@ def strong(target):
 
 @pytest.fixture(scope="module")
 def cheap_lm():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16)
-    return LMDrafter(transformer.init_model(cfg, seed=5))
+    return LMDrafter(tiny_drafter_model(VOCAB))
 
 
 def toy_scheduler(threshold=0.0):

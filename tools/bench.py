@@ -141,8 +141,9 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dic
     return rows
 
 
-def smoke_setup(seed=0):
-    """A tiny random target, a noisy copy of it as the lm drafter, and n-gram; random prompts."""
+def smoke_models(seed=0):
+    """A tiny random target and a noisy copy of it (an lm drafter that is often, not always, right).
+    Shared by the tools' --smoke modes."""
     from flax import nnx
     cfg = specjax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                               num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -152,6 +153,12 @@ def smoke_setup(seed=0):
     keys = jax.random.split(jax.random.key(1), len(leaves))
     nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
                                                for x, k in zip(leaves, keys)]))
+    return cfg, target, draft
+
+
+def smoke_setup(seed=0):
+    """The smoke models, n-gram, and random repetitive prompts."""
+    _, target, draft = smoke_models(seed)
     rng = np.random.default_rng(seed)
     prompts = [(rng.integers(0, 64, 6).tolist() * 6)[: int(rng.integers(12, 36))] for _ in range(4)]
     return target, {"lm": LMDrafter(draft), "ngram": NgramDrafter()}, prompts

@@ -43,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -64,15 +63,8 @@ def smoke_setup(seed: int = 0):
     """Tiny random target; lm = a noisy copy of it, feature = a random feature head, ngram.
     Evaluation and training prompts: random and repetitive token sequences."""
     from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead
-    from specjax.models import transformer
-    cfg = specjax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    target = transformer.init_model(cfg, seed)
-    draft = transformer.init_model(cfg, seed)
-    leaves, tdef = jax.tree.flatten(nnx.state(draft, nnx.Param))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
-                                               for x, k in zip(leaves, keys)]))
+    from bench import smoke_models  # tools/ is on sys.path (this script's folder)
+    cfg, target, draft = smoke_models(seed)
     feature = FeatureDrafter(FeatureHead(FeatureConfig.for_target(cfg), nnx.Rngs(seed + 2)), target)
     drafters = {"lm": LMDrafter(draft), "feature": feature, "ngram": NgramDrafter()}
     rng = np.random.default_rng(seed)
