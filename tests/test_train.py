@@ -194,6 +194,13 @@ def test_cli(zoo, full_run, tmp_path, capsys):
     run_dir = tmp_path / "run"
     lm.main(["--config", str(config), "--run-dir", str(run_dir), "--max-steps", "1"])
     assert "stopped at step 1 of 30" in capsys.readouterr().out
+    # an interim export of the unfinished run, marked as such; the run resumes untouched
+    lm.main(["--config", str(config), "--run-dir", str(run_dir), "--export", str(tmp_path / "interim"), "--export-latest"])
+    info = json.loads((tmp_path / "interim" / "train_info.json").read_text())
+    assert info["interim"] and info["steps"] == 1 and info["tokens_trained"] == 4 * 16
+    assert load_model(str(tmp_path / "interim")).config.vocab_size == 300
+    with pytest.raises(SystemExit, match="error: .*--overwrite"):
+        lm.main(["--config", str(config), "--run-dir", str(run_dir), "--export", str(tmp_path / "interim"), "--export-latest"])
     changed = {**lm.config_to_dict(zoo["cfg"]), "batch_size": 2}
     config.write_text(json.dumps(changed))
     with pytest.raises(SystemExit, match="error: .* trained with batch_size 4"):
@@ -241,3 +248,52 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     ref = specjax.generate(target, prompts, max_new_tokens=12)
     got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")
     assert got.sequences() == ref.sequences()
+
+
+# ----------------------------------------------------------------------------- hybrid target
+
+def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
+    """The same trainer runs a qwen3_next hybrid config: it learns, exports, and the export gives
+    transformers' logits; a feature drafter trains on it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from specjax.models import hybrid
+    from train import feature
+
+    d = lm.config_to_dict(zoo["cfg"])
+    d["name"] = "tiny-hybrid"
+    d["model"] = {"model_type": "qwen3_next", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+                  "num_layers": 4, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                  "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 8, "tie_word_embeddings": True, "max_position_embeddings": 64}
+    d["phases"] = [{"seq_len": 16, "steps": 12}]
+    cfg = lm.config_from_dict(d)
+    assert lm.config_from_dict(json.loads(json.dumps(lm.config_to_dict(cfg)))) == cfg
+    state = lm.train(cfg, tmp_path / "run", tmp_path / "export", progress=False)
+    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["val_loss"] < np.log(300)  # learned something from the uniform start
+
+    model = load_model(str(tmp_path / "export"))
+    assert isinstance(model, hybrid.HybridModel)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(state["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32)))
+    tokens = np.asarray(data.batch_at(np.arange(3, 300, dtype=np.int32), 20, 2, 0, 0, 0))
+    out = hybrid.prefill(model, jnp.asarray(tokens), jnp.full((2,), tokens.shape[1], jnp.int32),
+                         hybrid.init_cache(model, 2, tokens.shape[1]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=1e-4)
+
+    fcfg = feature.FeatureTrainConfig(name="tiny-hybrid-feature", target=str(tmp_path / "export"), ttt_steps=2,
+                                      seq_len=16, batch_size=4, steps=4, warmup_steps=1, checkpoint_every=2,
+                                      eval_every=4, eval_tokens=128, manifest=str(zoo["manifest"]),
+                                      corpus_root=str(zoo["root"]))
+    feature.train(fcfg, tmp_path / "feat", tmp_path / "feat-export", progress=False)
+    import specjax
+    from specjax.drafters import load_drafter
+    drafter = load_drafter(str(tmp_path / "feat-export"), model)
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
+    ref_seq = specjax.generate(model, prompts, max_new_tokens=10).sequences()
+    assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[drafter], tree="chain=3").sequences() == ref_seq

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import feature as F
-from specjax.models import transformer
+from specjax.models import family, transformer
 from train import data
 from train.lm import REPO, RunRefused, _resolve, load_streams_for
 
@@ -84,9 +84,9 @@ def head_config(cfg: FeatureTrainConfig, target) -> F.FeatureConfig:
 def ttt_loss(head, target, tokens_BxT, decay: float, steps: int):
     """(weighted loss, per-step loss [K], per-step top-1 agreement [K])."""
     B, T = tokens_BxT.shape
-    cache = transformer.init_cache(target, B, T)
-    out = transformer.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), cache,
-                              transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
+    fam = family(target)  # a dense or a hybrid target: the same features, its own cache
+    out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
+                      transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
     feats = jax.lax.stop_gradient(F.target_features(out))
     p_target = jax.lax.stop_gradient(jax.nn.softmax(out.logits, axis=-1))  # [B, T, V]: token t+1
     logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]

@@ -38,8 +38,9 @@ from tqdm import tqdm
 
 from specjax import kvcache
 from specjax.checkpoint import save_model
-from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.transformer import Model, causal_mask, forward, init_model
+from specjax.models import family, hybrid, transformer
+from specjax.models.config import HYBRID_MODEL_TYPES, HybridConfig, ModelConfig, RopeScaling
+from specjax.models.transformer import causal_mask, forward
 from train import corpus, data
 from train.tokenizer import EOT_ID, PAD_ID
 
@@ -73,7 +74,7 @@ class CorpusConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     name: str
-    model: ModelConfig
+    model: ModelConfig | HybridConfig  # a dense decoder, or a qwen3_next hybrid (model_type)
     tokenizer: str  # path of tokenizer.json
     phases: tuple[Phase, ...]
     batch_size: int = 16
@@ -134,16 +135,23 @@ def config_from_dict(d: dict) -> TrainConfig:
     m.setdefault("pad_token_id", PAD_ID)
     phases = tuple(Phase(**p) for p in d.pop("phases"))
     corpus_cfg = CorpusConfig(**d.pop("corpus", {}))
+    if m.get("model_type") in HYBRID_MODEL_TYPES:
+        m["layer_types"] = tuple(m["layer_types"])
+        model_cfg = HybridConfig(**m)
+    else:
+        model_cfg = ModelConfig(**m)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     if set(d) - known:
         raise ValueError(f"unknown config fields: {sorted(set(d) - known)}")
-    return TrainConfig(model=ModelConfig(**m), phases=phases, corpus=corpus_cfg, **d)
+    return TrainConfig(model=model_cfg, phases=phases, corpus=corpus_cfg, **d)
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["model"].pop("dtype")  # float32 master weights always; compute dtype is bf16_compute
     d["phases"] = [dataclasses.asdict(p) for p in cfg.phases]
+    if "layer_types" in d["model"]:
+        d["model"]["layer_types"] = list(d["model"]["layer_types"])
     if isinstance(d["model"]["eos_token_id"], tuple):
         d["model"]["eos_token_id"] = list(d["model"]["eos_token_id"])
     return d
@@ -175,19 +183,28 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def lm_token_losses(model: Model, tokens_BxT1, compute_dtype) -> jax.Array:
-    """[B, T] next-token cross-entropy of [B, T+1] windows, through the inference `forward` (one
-    causal block on an empty cache), so training and serving share one code path."""
+def init_model(cfg: ModelConfig | HybridConfig, seed: int = 0):
+    return (hybrid if isinstance(cfg, HybridConfig) else transformer).init_model(cfg, seed)
+
+
+def lm_token_losses(model, tokens_BxT1, compute_dtype) -> jax.Array:
+    """[B, T] next-token cross-entropy of [B, T+1] windows, through the inference code (one causal
+    block on an empty cache: `forward` for a dense model, the chunked `prefill` for a hybrid), so
+    training and serving share one code path."""
     cfg = model.config
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     B, T = inputs_BxT.shape
+    if family(model) is hybrid:
+        cache = hybrid.init_cache(model, B, T)
+        logits_BxTxV = hybrid.prefill(model, inputs_BxT, jnp.full((B,), T, jnp.int32), cache).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
     cache = kvcache.init(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, compute_dtype)
     positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
     logits_BxTxV = forward(model, inputs_BxT, positions_BxT, cache, causal_mask(B, T)).logits  # float32
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
 
 
-def lm_loss(model: Model, tokens_BxT1, compute_dtype) -> jax.Array:
+def lm_loss(model, tokens_BxT1, compute_dtype) -> jax.Array:
     return lm_token_losses(model, tokens_BxT1, compute_dtype).mean()
 
 
@@ -446,12 +463,50 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
         if val_loss is None:
             val_loss = evaluate(cfg, state["params"], val_windows)
         info = {"run": identity, "steps": cfg.total_steps, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
-                "tokens_trained": sum(p.steps * cfg.batch_size * p.seq_len for p in cfg.phases)}
+                "tokens_trained": tokens_through(cfg, cfg.total_steps)}
         export(cfg, state["params"], tok, export_dir, info)
         print(f"exported {export_dir} (val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f})")
     elif int(state["step"]) < cfg.total_steps:
         print(f"stopped at step {int(state['step'])} of {cfg.total_steps}; run the same command to resume")
     return state
+
+
+def tokens_through(cfg: TrainConfig, steps: int) -> int:
+    """Training tokens (predicted positions) seen in the first `steps` global steps."""
+    total = 0
+    for p in cfg.phases:
+        n = min(max(steps, 0), p.steps)
+        total += n * cfg.batch_size * p.seq_len
+        steps -= p.steps
+    return total
+
+
+def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path, *, overwrite: bool = False) -> dict:
+    """Exports the run's latest checkpoint before training has ended (a model for work that
+    cannot wait for the last step). `train_info.json` says `"interim": true` and the steps and
+    tokens it has seen; the run itself is untouched and resumes as before."""
+    run_dir, export_dir = Path(run_dir), Path(export_dir)
+    if not (run_dir / "run.json").exists():
+        raise RunRefused(f"{run_dir}: no run.json; nothing to export")
+    identity = run_identity(cfg)
+    check_resume(run_dir, identity)
+    if (export_dir / "model.safetensors").exists() and not overwrite:
+        raise RunRefused(f"{export_dir} already holds a model (model.safetensors); pass --overwrite to replace it.")
+    tok = Tokenizer.from_file(str(_resolve(cfg.tokenizer)))
+    mngr = checkpoint_manager(cfg, run_dir)
+    step = mngr.latest_step()
+    if step is None:
+        raise RunRefused(f"{run_dir}: no checkpoint yet")
+    state = mngr.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: init_state(cfg))))
+    mngr.close()
+    streams = load_streams(cfg, tok, run_dir / "token-cache")
+    val_loss = evaluate(cfg, state["params"], data.eval_windows(streams.validation, cfg.eval_seq_len, cfg.eval_tokens))
+    info = {"run": json.loads((run_dir / "run.json").read_text()), "steps": step, "total_steps": cfg.total_steps,
+            "interim": step < cfg.total_steps, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
+            "tokens_trained": tokens_through(cfg, step)}
+    export(cfg, state["params"], tok, export_dir, info)
+    print(f"exported step {step} of {cfg.total_steps} to {export_dir} (val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f})")
+    return info
 
 
 def benchmark(cfg: TrainConfig, steps: int, phase: int = 0) -> dict:
@@ -486,6 +541,8 @@ def main(argv=None) -> None:
     ap.add_argument("--export", type=Path, help="Hugging Face export directory, written when training ends")
     ap.add_argument("--max-steps", type=int, help="stop after this global step (resumable)")
     ap.add_argument("--overwrite", action="store_true", help="discard an existing run dir / export")
+    ap.add_argument("--export-latest", action="store_true",
+                    help="only export the run dir's latest checkpoint to --export (marked interim if unfinished)")
     ap.add_argument("--bench", type=int, metavar="STEPS", help="only measure train-step throughput")
     ap.add_argument("--bf16-compute", choices=["true", "false"], help="with --bench: override the config")
     args = ap.parse_args(argv)
@@ -498,6 +555,11 @@ def main(argv=None) -> None:
     if args.run_dir is None:
         ap.error("--run-dir is required")
     try:
+        if args.export_latest:
+            if args.export is None:
+                ap.error("--export-latest needs --export")
+            export_latest(cfg, args.run_dir, args.export, overwrite=args.overwrite)
+            return
         train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
     except (RunRefused, corpus.CorpusMismatch, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
