@@ -69,12 +69,16 @@ def params_of(state):
 
 
 def test_config_files_parse():
-    for name in ("code-target", "code-draft"):
+    for name in ("code-target", "code-draft", "code-target-hybrid"):
         cfg = lm.load_config(lm.REPO / "configs" / f"{name}.json")
         assert cfg.model.vocab_size == 8192 and cfg.batch_size == 16
         assert cfg.phases[-1].seq_len == 2048 and cfg.model.tie_word_embeddings
         assert sum(p.steps * p.seq_len * cfg.batch_size for p in cfg.phases) >= 8_000_000
         assert lm.config_from_dict(lm.config_to_dict(cfg)) == cfg
+    from train import feature
+    for name in ("code-target-feature", "code-target-hybrid-feature"):
+        fcfg = feature.load_config(lm.REPO / "configs" / f"{name}.json")
+        assert fcfg.seq_len <= 512  # short-context drafters: FOLD's ablation relies on it
 
 
 def test_data_order_is_a_function_of_seed_and_step(zoo):
@@ -186,6 +190,15 @@ def test_eval_ppl(zoo, full_run):
     assert 1 < r["unigram_ppl"] < 300
     info = json.loads((full_run["export"] / "train_info.json").read_text())
     assert info["steps"] == FULL_STEPS
+
+
+def test_model_card(zoo, full_run):
+    from train import model_card
+    card, record = model_card.lm_card(full_run["export"], manifest_path=zoo["manifest"], root=zoo["root"],
+                                      cache_dir=None, progress=False)
+    assert record["steps"] == FULL_STEPS and not record["interim"] and record["tokens_trained"] == 20 * 4 * 16 + 10 * 4 * 32
+    assert f"{record['test']['ppl']:.2f}" in card and "python -m train.lm --config configs/tiny.json" in card
+    assert "Interim" not in card
 
 
 def test_cli(zoo, full_run, tmp_path, capsys):

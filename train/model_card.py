@@ -1,0 +1,176 @@
+"""Writes a zoo model's `README.md` model card from what its directory and run record say, plus a
+fresh test-split evaluation, so every number in a card was measured by this command.
+
+    python -m train.model_card --model models/code-target [--max-tokens N]
+    python -m train.model_card --model models/code-target-feature
+
+An LM card (a Hugging Face directory from `train.lm`): architecture and parameter count, the
+corpus and its splits, the training phases and tokens seen, validation loss at export, test-split
+loss / perplexity next to the unigram baseline (`train.eval_ppl`). A feature-drafter card (a
+directory from `train.feature`): its layers and the target it drafts for, the training run, and
+the validation loss / top-1 agreement with the target at each unrolled step. The measured numbers
+also go to `eval.json` beside the card.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from specjax.checkpoint import load_model
+from specjax.models.config import HybridConfig
+from train import corpus, eval_ppl
+from train.lm import REPO
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _corpus_lines(manifest: corpus.Manifest) -> list[str]:
+    c = {split: len(manifest.split(split)) for split in ("train", "validation", "test")}
+    skipped = sum(f.split == "skipped" for f in manifest.files)
+    return [f"The `.py` files of the {manifest.implementation} {manifest.python} standard library "
+            f"(`train/corpus.py`, pinned by `train/manifest.json`), split by a hash of each path: "
+            f"{c['train']} train / {c['validation']} validation / {c['test']} test files "
+            f"({skipped} non-UTF-8 files skipped). Tokenizer: the zoo's byte-level BPE "
+            "(`models/tokenizer`, 8192 tokens; id 0 `<|endoftext|>` separates documents, so prompts start with it)."]
+
+
+def _architecture(cfg) -> str:
+    if isinstance(cfg, HybridConfig):
+        kinds = "".join("D" if t == "linear_attention" else "A" for t in cfg.layer_types)
+        return (f"Qwen3-Next-style hybrid (`qwen3_next`): {cfg.num_layers} layers `{kinds}` (D = Gated DeltaNet "
+                f"with {cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} value heads of "
+                f"{cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, conv {cfg.linear_conv_kernel_dim}; "
+                f"A = gated attention, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
+                f"partial RoPE {cfg.partial_rotary_factor}), d_model {cfg.hidden_size}, dense SwiGLU "
+                f"{cfg.intermediate_size}, vocabulary {cfg.vocab_size}, "
+                f"{'tied' if cfg.tie_word_embeddings else 'untied'} embeddings, context {cfg.max_position_embeddings}")
+    return (f"Llama-style decoder (`{cfg.model_type}`): {cfg.num_layers} layers, d_model {cfg.hidden_size}, "
+            f"{cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, SwiGLU {cfg.intermediate_size}, "
+            f"vocabulary {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings, "
+            f"RoPE θ {cfg.rope_theta:g}, context {cfg.max_position_embeddings}")
+
+
+def lm_card(model_dir: Path, max_tokens: int | None = None, progress: bool = True, *, manifest_path: Path | None = None,
+            root: Path | None = None, cache_dir: Path | None = eval_ppl.DEFAULT_CACHE) -> tuple[str, dict]:
+    model = load_model(str(model_dir))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    info = json.loads((model_dir / "train_info.json").read_text())
+    tcfg = info["run"]["config"]
+    name = tcfg["name"]
+    test = eval_ppl.evaluate_model(model_dir, split="test", seq_len=tcfg.get("eval_seq_len", 512),
+                                   max_tokens=max_tokens, manifest_path=manifest_path, root=root,
+                                   cache_dir=cache_dir, progress=progress)
+    phases = tcfg["phases"]
+    phase_txt = ", then ".join(f"{p['steps']} steps at sequence {p['seq_len']}" for p in phases)
+    total = sum(p["steps"] for p in phases)
+    interim = info.get("interim", False)
+    status = (f"**Interim export**: step {info['steps']} of {info.get('total_steps', total)} (training continues; "
+              "rerun the command below to resume, then re-export and rewrite this card).\n\n" if interim else "")
+    command = (f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --export models/{name}")
+    manifest = corpus.read_manifest(manifest_path or corpus.MANIFEST_PATH)
+    card = f"""# {name}
+
+{status}{_architecture(model.config)}; {n_params / 1e6:.2f}M parameters, stored as bfloat16 safetensors in
+Hugging Face format (`config.json`, `model.safetensors`, `tokenizer.json`): `specjax.load_model` and
+`transformers.AutoModelForCausalLM` both load it.
+
+## Data
+{_corpus_lines(manifest)[0]}
+
+## Training
+`train/lm.py`, config `configs/{name}.json`: {phase_txt}; batch {tcfg['batch_size']}; AdamW
+(lr {tcfg['learning_rate']:g}, warm-up {tcfg['warmup_steps']}, cosine to {tcfg['min_lr_ratio']:g}×, weight decay
+{tcfg['weight_decay']:g}, clip {tcfg['grad_clip']:g}); {'bfloat16 compute over float32 master weights' if tcfg.get('bf16_compute') else 'float32'}; seed {tcfg['seed']}.
+Tokens seen: **{info['tokens_trained']:,}** in {info['steps']} steps, on this repo's 2-core CPU.
+
+## Evaluation
+| split | tokens scored | loss (nats/token) | perplexity | unigram perplexity |
+|---|---:|---:|---:|---:|
+| validation (at export, {tcfg.get('eval_tokens') or 'all'} tokens) | {tcfg.get('eval_tokens') or '-'} | {info['val_loss']:.4f} | {info['val_ppl']:.2f} | |
+| test | {test['tokens']:,} | {test['loss']:.4f} | {test['ppl']:.2f} | {test['unigram_ppl']:.1f} |
+
+Windows of {test['seq_len']} tokens over the split's token stream, each token scored once, float32.
+Measured by `python -m train.model_card --model models/{name}`{f' --max-tokens {max_tokens}' if max_tokens else ''}
+(the test row alone: `python -m train.eval_ppl --model models/{name} --split test`).
+
+## Reproduce
+```
+{command}
+python -m train.model_card --model models/{name}
+```
+Resumable: the same command continues from the last checkpoint with the same data order.
+"""
+    return card, {"name": name, "params": n_params, "tokens_trained": info["tokens_trained"], "steps": info["steps"],
+                  "interim": interim, "val_loss": info["val_loss"], "test": test}
+
+
+def feature_card(model_dir: Path) -> tuple[str, dict]:
+    dcfg = json.loads((model_dir / "drafter_config.json").read_text())
+    info = json.loads((model_dir / "train_info.json").read_text())
+    run, final = info["run"], info["final"]
+    cfg = run["config"]
+    name = cfg["name"]
+    import safetensors.numpy
+
+    n_params = sum(v.size for v in safetensors.numpy.load_file(str(model_dir / "model.safetensors")).values())
+    agree = " / ".join(f"{a:.3f}" for a in final["val_agree"])
+    steps_loss = " / ".join(f"{x:.3f}" for x in final["val_step_loss"])
+    tokens = cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
+    command = (f"python -m train.feature --config configs/{name}.json --run-dir runs/{name} --export models/{name}")
+    card = f"""# {name}
+
+EAGLE-3-style feature drafter for `{cfg['target']}` (`specjax/drafters/feature.py`): fuses the target's
+hidden states after layers {dcfg.get('target_layers')} into one vector, runs one decoder layer
+(SwiGLU {dcfg.get('intermediate_size')}), and shares the target's embedding and LM head (not stored
+here). {n_params / 1e6:.2f}M parameters of its own, `drafter_config.json` + `model.safetensors`;
+`specjax.drafters.load_drafter` reads it for that target only (the vocabulary and width are checked).
+
+## Training
+`train/feature.py`, config `configs/{name}.json`: training-time test with {cfg['ttt_steps']} unrolled steps
+(loss weight {cfg['depth_decay']:g}^(step-1)), soft cross-entropy to the frozen target's next-token
+distribution, on train-split windows of {cfg['seq_len']} tokens (a short-context drafter), batch
+{cfg['batch_size']}, {cfg['steps']} steps ({tokens:,} positions), AdamW lr {cfg['learning_rate']:g} with warm-up
+{cfg['warmup_steps']} and cosine decay.
+
+## Evaluation (validation split, {cfg['eval_tokens']} tokens)
+| unrolled step | 1 → {cfg['ttt_steps']} |
+|---|---|
+| loss | {steps_loss} |
+| top-1 agreement with the target | {agree} |
+
+Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
+
+## Reproduce
+```
+{command}
+python -m train.model_card --model models/{name}
+```
+"""
+    return card, {"name": name, "params": n_params, "val": final}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--max-tokens", type=int, default=None, help="score at most this many test tokens")
+    args = ap.parse_args(argv)
+    if (args.model / "drafter_config.json").exists():
+        card, record = feature_card(args.model)
+    else:
+        card, record = lm_card(args.model, args.max_tokens, progress=True)
+    (args.model / "README.md").write_text(card)
+    (args.model / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {_rel(args.model / 'README.md')}")
+
+
+if __name__ == "__main__":
+    main()
