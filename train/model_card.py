@@ -99,7 +99,7 @@ Tokens seen: **{info['tokens_trained']:,}** in {info['steps']} steps, on this re
 | test | {test['tokens']:,} | {test['loss']:.4f} | {test['ppl']:.2f} | {test['unigram_ppl']:.1f} |
 
 Windows of {test['seq_len']} tokens over the split's token stream, each token scored once, float32.
-Measured by `python -m train.model_card --model models/{name}`{f' --max-tokens {max_tokens}' if max_tokens else ''}
+Measured by `python -m train.model_card --model models/{name}{f' --max-tokens {max_tokens}' if max_tokens else ''}`
 (the test row alone: `python -m train.eval_ppl --model models/{name} --split test`).
 
 ## Reproduce

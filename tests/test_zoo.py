@@ -1,0 +1,101 @@
+"""The shipped model zoo: the tokenizer, and every model listed in models/zoo.json (files intact,
+config as its training config says, the zoo tokenizer, a model card, the stored greedy
+continuation / draft chain); code-target's greedy continuations of test-split prompts equal
+transformers'."""
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import compare_greedy
+from train import lm, zoo
+
+REPO = Path(__file__).resolve().parents[1]
+ZOO = json.loads(zoo.ZOO_JSON.read_text()) if zoo.ZOO_JSON.exists() else {"models": {}}
+LMS = [n for n, r in ZOO["models"].items() if r["kind"] == "lm"]
+FEATURES = [n for n, r in ZOO["models"].items() if r["kind"] == "feature"]
+
+
+def test_tokenizer_is_shipped_and_round_trips():
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(REPO / "models" / "tokenizer" / "tokenizer.json"))
+    assert tok.get_vocab_size() == 8192
+    assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>")] == [0, 1, 2]
+    text = 'def f(x):\n    """Doc."""\n    return {"a": x ** 2}  # ünïcode\n'
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    if ZOO["models"]:
+        assert zoo._sha256(REPO / "models" / "tokenizer" / "tokenizer.json") == ZOO["tokenizer_sha256"]
+
+
+def test_zoo_manifest_lists_every_shipped_model():
+    assert sorted(d.name for d in zoo.model_dirs()) == sorted(ZOO["models"])
+
+
+def test_shipped_lms():
+    for name in LMS:
+        _check_lm(name)
+
+
+def test_shipped_feature_drafters():
+    for name in FEATURES:
+        _check_feature(name)
+
+
+def _check_lm(name):
+    from specjax.checkpoint import load_model, load_tokenizer
+    d = REPO / "models" / name
+    want = ZOO["models"][name]
+    for fname, sha in want["files"].items():
+        assert zoo._sha256(d / fname) == sha, f"{name}/{fname} differs from models/zoo.json"
+    model = load_model(str(d))
+    cfg = lm.load_config(REPO / "configs" / f"{name}.json")
+    hf = json.loads((d / "config.json").read_text())
+    for k, v in cfg.model.to_hf().items():
+        if k != "torch_dtype":
+            assert hf.get(k) == v, f"{name}: config.json {k} = {hf.get(k)!r}, configs/{name}.json says {v!r}"
+    assert (d / "tokenizer.json").read_bytes() == (REPO / "models" / "tokenizer" / "tokenizer.json").read_bytes()
+    card = (d / "README.md").read_text()
+    assert "test" in card and "python -m train.lm --config configs/" in card
+    assert zoo.greedy_continuation(model, zoo.prompt_ids(load_tokenizer(str(d)))) == want["greedy"]
+
+
+def _check_feature(name):
+    from specjax.checkpoint import load_model, load_tokenizer
+    d = REPO / "models" / name
+    want = ZOO["models"][name]
+    for fname, sha in want["files"].items():
+        assert zoo._sha256(d / fname) == sha, f"{name}/{fname} differs from models/zoo.json"
+    target_dir = REPO / "models" / want["target"]
+    target = load_model(str(target_dir))
+    assert zoo.draft_chain(d, target, zoo.prompt_ids(load_tokenizer(str(target_dir)))) == want["draft_chain"]
+    assert "top-1 agreement" in (d / "README.md").read_text()
+
+
+def test_code_target_greedy_matches_transformers():
+    """transformers loads the shipped weights and continues test-split prompts exactly as we do."""
+    name = "code-target"
+    if name not in LMS:
+        return  # not shipped yet: test_zoo_manifest_lists_every_shipped_model holds the listing honest
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import specjax
+    from train import prompts as prompt_sets
+    d = REPO / "models" / name
+    model = specjax.load_model(str(d))
+    tok = specjax.load_tokenizer(str(d))
+    cases = prompt_sets.prompt_set("functions", tok, 4, context_tokens=128)
+    ids = [c["ids"] for c in cases]
+    ours = specjax.generate(model, ids, max_new_tokens=32, eos_token_id=()).tokens
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    theirs = []
+    with torch.no_grad():
+        for p in ids:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                              pad_token_id=1, min_new_tokens=32)
+            theirs.append(out[0, len(p):].tolist())
+    def hf_logits(row, prefix):
+        with torch.no_grad():
+            return hf(torch.tensor([ids[row] + prefix])).logits[0, -1].numpy()
+
+    exact, near = compare_greedy(theirs, [list(map(int, r)) for r in ours], hf_logits)
+    assert exact + near == len(ids)

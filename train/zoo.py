@@ -1,0 +1,139 @@
+"""The zoo's manifest, `models/zoo.json`: every shipped model directory with its files' sha256 and
+a stored greedy continuation, so a clone can check that what it loads is what was trained
+(`tests/test_zoo.py`).
+
+    python -m train.zoo --write      # after exporting / re-exporting a model
+    python -m train.zoo --check      # what the test does, from the command line
+
+For an LM (a Hugging Face directory) the record holds the greedy continuation of a fixed prompt;
+for a feature drafter, the chain its head drafts for its target on that prompt (the head's own
+weights, not the target's, decide it).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "models"
+ZOO_JSON = MODELS / "zoo.json"
+PROMPT = 'def parse_args(argv=None):\n    """Parse the command line."""\n    parser = argparse.ArgumentParser('
+NEW_TOKENS = 24
+DRAFT_CHAIN = 6
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prompt_ids(tok) -> list[int]:
+    return [0] + tok.encode(PROMPT).ids  # documents follow <|endoftext|>
+
+
+def greedy_continuation(model, ids: list[int]) -> list[int]:
+    import specjax
+    return specjax.generate(model, [ids], max_new_tokens=NEW_TOKENS, eos_token_id=()).sequences()[0]
+
+
+def draft_chain(head_dir: Path, target, ids: list[int]) -> list[int]:
+    """The feature drafter's chain after the prompt (its proposal for the first round)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import sampling, tree as tree_lib
+    from specjax.drafters import DraftContext, load_drafter
+    from specjax.models import family
+
+    drafter = load_drafter(str(head_dir), target)
+    fam = family(target)
+    P = len(ids)
+    out = fam.prefill(target, jnp.asarray([ids], jnp.int32), jnp.asarray([P]), fam.init_cache(target, 1, P + 32),
+                      hidden_layers=tuple(drafter.target_layers))
+    root = jnp.argmax(out.logits[:, P - 1], axis=-1).astype(jnp.int32)
+    state = drafter.init(jnp.asarray([ids], jnp.int32), jnp.asarray([P]), P + 32, out)
+    spec = tree_lib.parse_tree_spec(f"chain={DRAFT_CHAIN}")
+    ctx = DraftContext(spec, "topk", sampling.SamplingParams.make(0.0, 0, 1.0), jax.random.key(0))
+    prop = drafter.propose(state, root, ctx)
+    return [int(root[0])] + [int(t) for t in prop.tree.tokens[0, 1:]]
+
+
+def record_for(d: Path, targets: dict) -> dict:
+    from specjax.checkpoint import load_model, load_tokenizer
+
+    files = {p.name: _sha256(p) for p in sorted(d.iterdir()) if p.is_file() and p.name != "eval.json"}
+    rec = {"files": files, "bytes": sum(p.stat().st_size for p in d.iterdir() if p.is_file())}
+    if (d / "drafter_config.json").exists():
+        info = json.loads((d / "train_info.json").read_text())
+        target_dir = REPO / info["run"]["config"]["target"]
+        target = targets.setdefault(target_dir.name, load_model(str(target_dir)))
+        tok = load_tokenizer(str(target_dir))
+        rec.update(kind="feature", target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))
+    else:
+        model = targets.setdefault(d.name, load_model(str(d)))
+        tok = load_tokenizer(str(d))
+        rec.update(kind="lm", greedy=greedy_continuation(model, prompt_ids(tok)))
+    return rec
+
+
+def model_dirs() -> list[Path]:
+    return [d for d in sorted(MODELS.iterdir())
+            if d.is_dir() and ((d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists())]
+
+
+def write() -> dict:
+    targets: dict = {}
+    zoo = {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "draft_chain": DRAFT_CHAIN,
+           "tokenizer_sha256": _sha256(MODELS / "tokenizer" / "tokenizer.json"), "models": {}}
+    # LMs first, so feature drafters find their targets loaded.
+    dirs = sorted(model_dirs(), key=lambda d: (d / "drafter_config.json").exists())
+    for d in dirs:
+        zoo["models"][d.name] = record_for(d, targets)
+        print(f"{d.name}: {zoo['models'][d.name]['bytes'] / 1e6:.1f} MB")
+    ZOO_JSON.write_text(json.dumps(zoo, indent=2) + "\n")
+    return zoo
+
+
+def check() -> list[str]:
+    """Problems with the shipped zoo (empty: all good)."""
+    zoo = json.loads(ZOO_JSON.read_text())
+    problems, targets = [], {}
+    for name, want in zoo["models"].items():
+        d = MODELS / name
+        if not d.is_dir():
+            problems.append(f"{name}: listed in models/zoo.json but models/{name} is missing")
+            continue
+        for fname, sha in want["files"].items():
+            if not (d / fname).exists():
+                problems.append(f"{name}/{fname}: missing")
+            elif _sha256(d / fname) != sha:
+                problems.append(f"{name}/{fname}: sha256 differs from models/zoo.json (corrupt or re-exported "
+                                "without `python -m train.zoo --write`)")
+        if problems:
+            continue
+        got = record_for(d, targets)
+        key = "draft_chain" if want["kind"] == "feature" else "greedy"
+        if got[key] != want[key]:
+            problems.append(f"{name}: {key} {got[key]} differs from the stored {want[key]}")
+    return problems
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true")
+    mode.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    if args.write:
+        write()
+        print(f"wrote {ZOO_JSON.relative_to(REPO)}")
+    else:
+        problems = check()
+        print("\n".join(problems) or "zoo ok")
+        sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
