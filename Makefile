@@ -26,6 +26,11 @@ models: install
 	$(BIN)/python -m train.lm --config configs/code-draft.json --run-dir runs/code-draft --export models/code-draft
 	$(BIN)/python -m train.lm --config configs/code-target.json --run-dir runs/code-target --export models/code-target
 	$(BIN)/python -m train.feature --config configs/code-target-feature.json --run-dir runs/code-target-feature --export models/code-target-feature
+	$(BIN)/python -m train.lm --config configs/code-target-hybrid.json --run-dir runs/code-target-hybrid --export models/code-target-hybrid
+	$(BIN)/python -m train.feature --config configs/code-target-hybrid-feature.json --run-dir runs/code-target-hybrid-feature --export models/code-target-hybrid-feature
+	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature; do \
+		$(BIN)/python -m train.model_card --model models/$$m || exit 1; done
+	$(BIN)/python -m train.zoo --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info
