@@ -48,11 +48,12 @@ def _check_lm(name):
     for fname, sha in want["files"].items():
         assert zoo._sha256(d / fname) == sha, f"{name}/{fname} differs from models/zoo.json"
     model = load_model(str(d))
-    cfg = lm.load_config(REPO / "configs" / f"{name}.json")
+    config_name = json.loads((d / "train_info.json").read_text())["run"]["config"]["name"]
+    cfg = lm.load_config(REPO / "configs" / f"{config_name}.json")
     hf = json.loads((d / "config.json").read_text())
     for k, v in cfg.model.to_hf().items():
         if k != "torch_dtype":
-            assert hf.get(k) == v, f"{name}: config.json {k} = {hf.get(k)!r}, configs/{name}.json says {v!r}"
+            assert hf.get(k) == v, f"{name}: config.json {k} = {hf.get(k)!r}, configs/{config_name}.json says {v!r}"
     assert (d / "tokenizer.json").read_bytes() == (REPO / "models" / "tokenizer" / "tokenizer.json").read_bytes()
     card = (d / "README.md").read_text()
     assert "test" in card and "python -m train.lm --config configs/" in card

@@ -481,7 +481,8 @@ def tokens_through(cfg: TrainConfig, steps: int) -> int:
     return total
 
 
-def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path, *, overwrite: bool = False) -> dict:
+def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path, *, overwrite: bool = False,
+                  note: str | None = None) -> dict:
     """Exports the run's latest checkpoint before training has ended (a model for work that
     cannot wait for the last step). `train_info.json` says `"interim": true` and the steps and
     tokens it has seen; the run itself is untouched and resumes as before."""
@@ -504,6 +505,8 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     info = {"run": json.loads((run_dir / "run.json").read_text()), "steps": step, "total_steps": cfg.total_steps,
             "interim": step < cfg.total_steps, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
             "tokens_trained": tokens_through(cfg, step)}
+    if note:
+        info["note"] = note  # what this export is, for its model card (e.g. a checkpoint kept on purpose)
     export(cfg, state["params"], tok, export_dir, info)
     print(f"exported step {step} of {cfg.total_steps} to {export_dir} (val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f})")
     return info
@@ -543,6 +546,7 @@ def main(argv=None) -> None:
     ap.add_argument("--overwrite", action="store_true", help="discard an existing run dir / export")
     ap.add_argument("--export-latest", action="store_true",
                     help="only export the run dir's latest checkpoint to --export (marked interim if unfinished)")
+    ap.add_argument("--note", help="with --export-latest: what this export is (goes to train_info.json and the card)")
     ap.add_argument("--bench", type=int, metavar="STEPS", help="only measure train-step throughput")
     ap.add_argument("--bf16-compute", choices=["true", "false"], help="with --bench: override the config")
     args = ap.parse_args(argv)
@@ -558,7 +562,7 @@ def main(argv=None) -> None:
         if args.export_latest:
             if args.export is None:
                 ap.error("--export-latest needs --export")
-            export_latest(cfg, args.run_dir, args.export, overwrite=args.overwrite)
+            export_latest(cfg, args.run_dir, args.export, overwrite=args.overwrite, note=args.note)
             return
         train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
     except (RunRefused, corpus.CorpusMismatch, FileNotFoundError) as e:

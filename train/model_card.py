@@ -73,11 +73,17 @@ def lm_card(model_dir: Path, max_tokens: int | None = None, progress: bool = Tru
     phase_txt = ", then ".join(f"{p['steps']} steps at sequence {p['seq_len']}" for p in phases)
     total = sum(p["steps"] for p in phases)
     interim = info.get("interim", False)
+    export_name = model_dir.name
     status = (f"**Interim export**: step {info['steps']} of {info.get('total_steps', total)} (training continues; "
               "rerun the command below to resume, then re-export and rewrite this card).\n\n" if interim else "")
-    command = (f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --export models/{name}")
+    command = f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
+    if info.get("note"):
+        status = f"**{info['note']}** (step {info['steps']} of {info.get('total_steps', total)}).\n\n"
+        command = (f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --max-steps {info['steps']}\n"
+                   f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --export-latest "
+                   f"--export models/{export_name} --note '{info['note']}'")
     manifest = corpus.read_manifest(manifest_path or corpus.MANIFEST_PATH)
-    card = f"""# {name}
+    card = f"""# {export_name}
 
 {status}{_architecture(model.config)}; {n_params / 1e6:.2f}M parameters, stored as bfloat16 safetensors in
 Hugging Face format (`config.json`, `model.safetensors`, `tokenizer.json`): `specjax.load_model` and
@@ -99,17 +105,17 @@ Tokens seen: **{info['tokens_trained']:,}** in {info['steps']} steps, on this re
 | test | {test['tokens']:,} | {test['loss']:.4f} | {test['ppl']:.2f} | {test['unigram_ppl']:.1f} |
 
 Windows of {test['seq_len']} tokens over the split's token stream, each token scored once, float32.
-Measured by `python -m train.model_card --model models/{name}{f' --max-tokens {max_tokens}' if max_tokens else ''}`
-(the test row alone: `python -m train.eval_ppl --model models/{name} --split test`).
+Measured by `python -m train.model_card --model models/{export_name}{f' --max-tokens {max_tokens}' if max_tokens else ''}`
+(the test row alone: `python -m train.eval_ppl --model models/{export_name} --split test`).
 
 ## Reproduce
 ```
 {command}
-python -m train.model_card --model models/{name}
+python -m train.model_card --model models/{export_name}
 ```
 Resumable: the same command continues from the last checkpoint with the same data order.
 """
-    return card, {"name": name, "params": n_params, "tokens_trained": info["tokens_trained"], "steps": info["steps"],
+    return card, {"name": export_name, "config": name, "params": n_params, "tokens_trained": info["tokens_trained"], "steps": info["steps"],
                   "interim": interim, "val_loss": info["val_loss"], "test": test}
 
 
@@ -155,7 +161,7 @@ Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not her
 python -m train.model_card --model models/{name}
 ```
 """
-    return card, {"name": name, "params": n_params, "val": final}
+    return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
 def main(argv=None) -> None:
