@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax.drafters import LMDrafter, NgramDrafter, load_drafter  # noqa: E402
-from specjax.models import transformer  # noqa: E402
+from specjax.models import family, transformer  # noqa: E402
 
 NEAR_TIE = 1e-4
 
@@ -101,7 +101,8 @@ def greedy_check(target, prompts, reference, candidate) -> dict:
             mismatch += 1
             continue
         ids = jnp.asarray([p + a[:i]], jnp.int32)
-        out = transformer.prefill(target, ids, jnp.array([ids.shape[1]]), transformer.init_cache(target, 1, ids.shape[1]))
+        fam = family(target)  # a dense or a hybrid target
+        out = fam.prefill(target, ids, jnp.array([ids.shape[1]]), fam.init_cache(target, 1, ids.shape[1]))
         logits = np.asarray(out.logits[0, -1], np.float64)
         top = logits.max()
         if top - logits[a[i]] <= NEAR_TIE and top - logits[b[i]] <= NEAR_TIE:
@@ -130,7 +131,11 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dic
                                        do_sample=False, pad_token_id=1, **extra)
                     n += out.shape[1] - len(p)
             return n
-        run()  # warm-up
+        try:
+            run()  # warm-up
+        except Exception as e:  # e.g. assisted generation on a model whose cache cannot be cropped (hybrid)
+            rows.append({"method": name, "unsupported": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            continue
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -186,12 +191,17 @@ def write_outputs(rows, meta, out: Path):
              f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
              f"load average before the run {meta['load_avg']}.", "",
              f"Command: `{meta['command']}`", "",
-             "| method | tokens/s | speedup vs our AR | tau | per-depth acceptance | greedy check (exact / near-tie / mismatch) |",
-             "|---|---:|---:|---:|---|---|"]
+             f"| method | tokens/s | speedup vs our AR | vs {meta.get('hf_peer') or 'transformers (not run)'} | tau | "
+             "per-depth acceptance | greedy check (exact / near-tie / mismatch) |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
+        if "unsupported" in r:
+            lines.append(f"| {r['method']} | unsupported: {r['unsupported']} | | | | | |")
+            continue
         chk = r.get("check")
         check = "" if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+        vs_hf = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | {vs_hf} | "
                      f"{r.get('tau', float('nan')):.2f} | {r.get('depth_acceptance', '')} | {check} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "sequences"}
@@ -200,6 +210,7 @@ def write_outputs(rows, meta, out: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = [r for r in rows if "tokens_per_s" in r]
     names = [r["method"] for r in rows]
     axes[0].barh(names, [r.get("speedup", 0) for r in rows])
     axes[0].axvline(1.0, color="k", lw=0.8)
@@ -241,10 +252,11 @@ def main(argv=None):
         methods = [m for m in methods if m.name in keep or m.drafter is None]
     groups = batches(prompts, args.batch)
     flat = [p for g in groups for p in g]
-    rows, ar = [], {}
+    rows, ar, meta_hf = [], {}, None
     for m in methods:
         print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
         row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats)
+        row["temperature"] = m.temperature
         if m.drafter is None:
             ar[m.temperature] = row
         row["speedup"] = row["tokens_per_s"] / ar[m.temperature]["tokens_per_s"]
@@ -252,15 +264,26 @@ def main(argv=None):
             row["check"] = greedy_check(target, flat, ar[0.0]["sequences"], row["sequences"])
         rows.append(row)
     if args.hf and not args.smoke:
-        for r in hf_assisted(args.target, args.draft if os.path.isdir(args.draft) else None,
-                             [p for p in flat], args.new_tokens, args.repeats):
-            r["speedup"] = r["tokens_per_s"] / ar[0.0]["tokens_per_s"]
-            rows.append(r)
+        hf_rows = hf_assisted(args.target, args.draft if os.path.isdir(args.draft) else None,
+                              [p for p in flat], args.new_tokens, args.repeats)
+        for r in hf_rows:
+            if "tokens_per_s" in r:
+                r["speedup"] = r["tokens_per_s"] / ar[0.0]["tokens_per_s"]
+        # The peer to beat: transformers' fastest speculative variant on the same prompts.
+        peers = [r for r in hf_rows if "tokens_per_s" in r and r["method"] != "hf ar"]
+        if peers and args.batch == 1:
+            best = max(peers, key=lambda r: r["tokens_per_s"])
+            for r in rows:
+                if r["temperature"] == 0:
+                    r["vs_hf"] = r["tokens_per_s"] / best["tokens_per_s"]
+            meta_hf = best["method"]
+        rows += hf_rows
     meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
             "kind": "random" if args.smoke else args.kind, "n_prompts": len(flat), "new_tokens": args.new_tokens,
             "batch": args.batch, "repeats": args.repeats, "device": jax.devices()[0].device_kind,
             "platform": platform.platform(), "load_avg": os.getloadavg()[0],
-            "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "hf_peer": meta_hf}
     write_outputs(rows, meta, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]
