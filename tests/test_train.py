@@ -69,12 +69,18 @@ def params_of(state):
 
 
 def test_config_files_parse():
-    for name in ("code-target", "code-draft", "code-target-hybrid"):
+    # Token budgets (what a few hours of this 2-core CPU allow; the model cards give the history):
+    # code-draft 7.9M; code-target 4.9M at 512 then 0.8M at 2048 (long prompts); the hybrid the
+    # target's 512-token phase, 4.9M, compared with code-target's checkpoint at the same step.
+    budgets = {"code-target": 5_500_000, "code-draft": 7_800_000, "code-target-hybrid": 4_900_000}
+    for name, tokens in budgets.items():
         cfg = lm.load_config(lm.REPO / "configs" / f"{name}.json")
-        assert cfg.model.vocab_size == 8192 and cfg.batch_size == 16
-        assert cfg.phases[-1].seq_len == 2048 and cfg.model.tie_word_embeddings
-        assert sum(p.steps * p.seq_len * cfg.batch_size for p in cfg.phases) >= 8_000_000
+        assert cfg.model.vocab_size == 8192 and cfg.batch_size == 16 and cfg.model.tie_word_embeddings
+        assert cfg.phases[0].seq_len == 512 and lm.tokens_through(cfg, cfg.total_steps) >= tokens
+        assert (cfg.phases[-1].seq_len == 2048) == (name != "code-target-hybrid")
         assert lm.config_from_dict(lm.config_to_dict(cfg)) == cfg
+    target, hybrid = (lm.load_config(lm.REPO / "configs" / f"{n}.json") for n in ("code-target", "code-target-hybrid"))
+    assert hybrid.phases[0] == target.phases[0]
     from train import feature
     for name in ("code-target-feature", "code-target-hybrid-feature"):
         fcfg = feature.load_config(lm.REPO / "configs" / f"{name}.json")
@@ -310,3 +316,25 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
     prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
     ref_seq = specjax.generate(model, prompts, max_new_tokens=10).sequences()
     assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[drafter], tree="chain=3").sequences() == ref_seq
+
+
+def test_reschedule_changes_phase_lengths_only(zoo, tmp_path):
+    """--reschedule: a run may get shorter or longer phases (recorded in run.json), never other
+    phases, and never lose steps it has already run; without the flag any change is refused."""
+    cfg = zoo["cfg"]
+    run_dir = tmp_path / "run"
+    lm.train(cfg, run_dir, max_steps=6, progress=False)
+    shorter = dataclasses.replace(cfg, phases=(lm.Phase(16, 8), lm.Phase(32, 4, micro_batch_size=2)))
+    with pytest.raises(lm.RunRefused, match="different run"):
+        lm.train(shorter, run_dir, max_steps=7, progress=False)
+    for bad, why in ((dataclasses.replace(cfg, phases=(lm.Phase(16, 5), cfg.phases[1])), "already run 6 steps"),
+                     (dataclasses.replace(cfg, phases=(lm.Phase(16, 8), lm.Phase(24, 4))), "sequence lengths")):
+        with pytest.raises(lm.RunRefused, match=why):
+            lm.train(bad, run_dir, reschedule=True, progress=False)
+    state = lm.train(shorter, run_dir, tmp_path / "export", reschedule=True, progress=False)
+    assert int(state["step"]) == 12
+    stored = json.loads((run_dir / "run.json").read_text())
+    assert stored["schedule_changes"][0]["at_step"] == 6 and [p["steps"] for p in stored["config"]["phases"]] == [8, 4]
+    info = json.loads((tmp_path / "export" / "train_info.json").read_text())
+    assert info["steps"] == 12 and info["tokens_trained"] == 8 * 4 * 16 + 4 * 4 * 32
+    assert lm.reschedule_problem([{"seq_len": 16, "steps": 20}], [{"seq_len": 16, "steps": 30}], 20) is not None

@@ -328,10 +328,40 @@ def _differences(stored: dict, current: dict, prefix="") -> list[str]:
     return out
 
 
-def check_resume(run_dir: Path, identity: dict) -> None:
-    """Refuses to continue a run dir that was started with anything that changes the model."""
+def _latest_step(run_dir: Path) -> int:
+    ckpt = run_dir / "checkpoints"
+    steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.exists() else []
+    return max(steps, default=0)
+
+
+def reschedule_problem(old_phases: list[dict], new_phases: list[dict], done: int) -> str | None:
+    """Why a run `done` steps in cannot move to `new_phases` (None: it can). Only phase lengths may
+    change: the same phases (sequence lengths) in the same order, every finished phase as it was,
+    and the current one no shorter than what it has already run. Completed steps then keep their
+    batches (a batch is a function of seed, phase and step within the phase)."""
+    if [p["seq_len"] for p in old_phases] != [p["seq_len"] for p in new_phases]:
+        return "a schedule change may only change phase lengths, not the phases' sequence lengths or their number"
+    start = 0
+    for i, (a, b) in enumerate(zip(old_phases, new_phases)):
+        if done >= start + a["steps"]:  # finished phase
+            if a["steps"] != b["steps"]:
+                return f"phase {i} is finished ({a['steps']} steps); its length cannot change"
+        elif done > start and b["steps"] < done - start:
+            return f"phase {i} has already run {done - start} steps; it cannot be cut to {b['steps']}"
+        start += a["steps"]
+    return None
+
+
+def check_resume(run_dir: Path, identity: dict, reschedule: bool = False) -> None:
+    """Refuses to continue a run dir that was started with anything that changes the model.
+    With `reschedule`, phase lengths may change (see `reschedule_problem`)."""
     stored = json.loads((run_dir / "run.json").read_text())
     s_cfg, c_cfg = stored["config"], identity["config"]
+    if reschedule:
+        problem = reschedule_problem(s_cfg["phases"], c_cfg["phases"], _latest_step(run_dir))
+        if problem:
+            raise RunRefused(f"{run_dir}: cannot reschedule: {problem}")
+        s_cfg = {**s_cfg, "phases": [{**a, "steps": b["steps"]} for a, b in zip(s_cfg["phases"], c_cfg["phases"])]}
     how = f"Use another --run-dir, or --overwrite to discard {run_dir} and start again."
     if s_cfg.get("batch_size") != c_cfg.get("batch_size"):
         raise RunRefused(f"{run_dir} was trained with batch_size {s_cfg.get('batch_size')}, the config now says "
@@ -347,7 +377,8 @@ def check_resume(run_dir: Path, identity: dict) -> None:
         raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs) + f"\n{how}")
 
 
-def prepare_run_dir(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, overwrite: bool) -> dict:
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, overwrite: bool,
+                    reschedule: bool = False) -> dict:
     identity = run_identity(cfg)
     if export_dir is not None and (export_dir / "model.safetensors").exists() and not overwrite:
         raise RunRefused(f"{export_dir} already holds a trained model (model.safetensors); "
@@ -356,7 +387,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, ov
         if overwrite:
             shutil.rmtree(run_dir)
         elif (run_dir / "run.json").exists():
-            check_resume(run_dir, identity)
+            check_resume(run_dir, identity, reschedule)
         else:
             raise RunRefused(f"{run_dir} has checkpoints but no run.json; pass --overwrite to discard it.")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -364,6 +395,11 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, ov
     if stored.exists():
         # Keep the original identity, refreshing only the fields that may change on resume.
         old = json.loads(stored.read_text())
+        if [p["steps"] for p in old["config"]["phases"]] != [p["steps"] for p in identity["config"]["phases"]]:
+            # Only reachable with --reschedule: keep the history, the schedule below is the new one.
+            old.setdefault("schedule_changes", []).append(
+                {"at_step": _latest_step(run_dir), "old_phases": old["config"]["phases"],
+                 "new_phases": identity["config"]["phases"]})
         old["config"].update({k: identity["config"][k] for k in RESUMABLE_FIELDS})
         old["config"]["phases"] = identity["config"]["phases"]
         identity = old
@@ -407,7 +443,8 @@ def export(cfg: TrainConfig, params, tok: Tokenizer, export_dir: Path, info: dic
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None = None, *,
-          max_steps: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+          max_steps: int | None = None, overwrite: bool = False, progress: bool = True,
+          reschedule: bool = False) -> dict:
     """Trains (or resumes) up to `max_steps` (default: all phases); exports when finished.
     Returns the final train state."""
     run_dir, export_dir = Path(run_dir), (Path(export_dir) if export_dir is not None else None)
@@ -417,7 +454,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
     tok = Tokenizer.from_file(str(tok_path))
     if tok.get_vocab_size() > cfg.model.vocab_size:
         raise ValueError(f"{tok_path}: {tok.get_vocab_size()} tokens do not fit the model's vocab_size {cfg.model.vocab_size}")
-    identity = prepare_run_dir(cfg, run_dir, export_dir, overwrite)
+    identity = prepare_run_dir(cfg, run_dir, export_dir, overwrite, reschedule)
     streams = load_streams(cfg, tok, run_dir / "token-cache")
     _, _, train_step, _ = _step_fns(cfg)
     val_windows = data.eval_windows(streams.validation, cfg.eval_seq_len, cfg.eval_tokens)
@@ -544,6 +581,8 @@ def main(argv=None) -> None:
     ap.add_argument("--export", type=Path, help="Hugging Face export directory, written when training ends")
     ap.add_argument("--max-steps", type=int, help="stop after this global step (resumable)")
     ap.add_argument("--overwrite", action="store_true", help="discard an existing run dir / export")
+    ap.add_argument("--reschedule", action="store_true",
+                    help="resume with changed phase lengths (recorded in run.json; LR follows the new total)")
     ap.add_argument("--export-latest", action="store_true",
                     help="only export the run dir's latest checkpoint to --export (marked interim if unfinished)")
     ap.add_argument("--note", help="with --export-latest: what this export is (goes to train_info.json and the card)")
@@ -564,7 +603,8 @@ def main(argv=None) -> None:
                 ap.error("--export-latest needs --export")
             export_latest(cfg, args.run_dir, args.export, overwrite=args.overwrite, note=args.note)
             return
-        train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
+        train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
+              reschedule=args.reschedule)
     except (RunRefused, corpus.CorpusMismatch, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
