@@ -289,6 +289,21 @@ def delta_step(S_xHxKxV, q_xHxK, k_xHxK, v_xHxV, g_xH, beta_xH):
     return jnp.einsum("...hkv,...hk->...hv", S, q_xHxK), S
 
 
+def unit_lower_inverse(a_xCxC):
+    """(I + N)^-1 for a unit lower-triangular I + N (N strictly lower, so N^C = 0), by doubling:
+    (I + M)(I + M^2)(I + M^4)... with M = -N, ceil(log2 C) factors. Matmuls only: XLA's CPU
+    triangular solve calls OpenBLAS, whose own thread pool deadlocked inside XLA's at training
+    sizes (a hang with every thread idle), and on GPU matmuls are what the hardware is for."""
+    c = a_xCxC.shape[-1]
+    eye = jnp.eye(c, dtype=a_xCxC.dtype)
+    m = eye - a_xCxC
+    inv, power = eye + m, m
+    for _ in range(max(int(math.ceil(math.log2(c))) - 1, 0)):
+        power = power @ power
+        inv = inv @ (eye + power)
+    return inv
+
+
 def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
     """The chunked form (HF's torch_chunk_gated_delta_rule): T tokens per row on top of S0.
 
@@ -317,8 +332,9 @@ def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # exp(cum_i - cum_j), j <= i
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     ut = jnp.where(strict, (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0) + jnp.eye(c, dtype=q.dtype)
-    u = jax.scipy.linalg.solve_triangular(ut, v_beta, lower=True, unit_diagonal=True)
-    w = jax.scipy.linalg.solve_triangular(ut, k_beta * jnp.exp(cum)[..., None], lower=True, unit_diagonal=True)
+    inv = unit_lower_inverse(ut)
+    u = inv @ v_beta
+    w = inv @ (k_beta * jnp.exp(cum)[..., None])
     attn = (q @ jnp.swapaxes(k, -1, -2)) * decay
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
