@@ -527,7 +527,9 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     if not (run_dir / "run.json").exists():
         raise RunRefused(f"{run_dir}: no run.json; nothing to export")
     identity = run_identity(cfg)
-    check_resume(run_dir, identity)
+    # Phase lengths may differ (a run exported from a copy kept before a --reschedule): exporting
+    # a checkpoint does not depend on the schedule, only on what the steps so far were.
+    check_resume(run_dir, identity, reschedule=True)
     if (export_dir / "model.safetensors").exists() and not overwrite:
         raise RunRefused(f"{export_dir} already holds a model (model.safetensors); pass --overwrite to replace it.")
     tok = Tokenizer.from_file(str(_resolve(cfg.tokenizer)))
