@@ -429,3 +429,44 @@ def test_speculative_greedy_exact_with_kernel():
     np.testing.assert_array_equal(got.lengths, ref.lengths)
     np.testing.assert_array_equal(got.stats["accepted"], ref.stats["accepted"])
     assert 0 < ref.stats["accepted"].sum() < 3 * ref.stats["rounds"].sum()  # partial acceptance
+
+
+# ----------------------------------------------------------------------------- hybrid targets
+
+def _hybrid_model(impl):
+    from specjax.models import hybrid
+    from specjax.models.config import HybridConfig
+    cfg = HybridConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=16, layer_types=("linear_attention", "full_attention"),
+                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, partial_rotary_factor=0.5)
+    return transformer.set_attention_impl(hybrid.init_model(cfg, seed=3), impl)
+
+
+def test_hybrid_attention_layers_use_the_kernel():
+    """A hybrid target's gated-attention layers run on the tree-attention kernel (interpret mode
+    here) with the same prefill and tree-verification logits as jnp attention, and lower to
+    Triton for `cuda`."""
+    from specjax.models import hybrid
+
+    prompts, lengths = jnp.array([[5, 7, 9, 11, 3, 2], [4, 8, 1, 0, 0, 0]]), jnp.array([6, 3])
+    parents_N, depth_N, _ = tree_lib.StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0))).layout()
+    B, N = 2, len(parents_N)
+    tree = tree_lib.TreeBuffers(
+        tokens=jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32) + 10, (B, N)),
+        parents=jnp.broadcast_to(jnp.asarray(parents_N), (B, N)), depth=jnp.broadcast_to(jnp.asarray(depth_N), (B, N)),
+        valid=jnp.ones((B, N), bool), score=jnp.zeros((B, N)), source=jnp.zeros((B, N), jnp.int8))
+
+    def run(model):
+        out = hybrid.prefill(model, prompts, lengths, hybrid.init_cache(model, B, 24))
+        verify = hybrid.forward(model, tree.tokens, tree_lib.positions(tree, out.cache.length), out.cache,
+                                tree_lib.ancestor_mask(tree, 2), parents=tree.parents)
+        return out.logits, verify.logits
+
+    ref, got = run(_hybrid_model("jnp")), run(_hybrid_model("interpret"))
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-5)
+    model = _hybrid_model("pallas")
+    text, modules = _lower_cuda(lambda t, n: hybrid.prefill(model, t, n, hybrid.init_cache(model, 2, 24)).logits,
+                                prompts, lengths)
+    assert text.count(TRITON) == 1 and len(modules) == 1  # one full-attention layer

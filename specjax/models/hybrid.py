@@ -52,6 +52,7 @@ from flax import nnx
 
 from specjax import kvcache
 from specjax.kvcache import KVCache
+from specjax.models import transformer
 from specjax.models.config import HybridConfig
 from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, attend, causal_mask, linear
 from specjax.typing import Array, BlockMask, Float, Int, Logits, Positions, Tokens
@@ -419,7 +420,10 @@ def conv_tree(x_BxTxC, conv_BxKm1xC, w_CxK, parents_BxT):
     return jax.nn.silu(out), window[:, :, 1:]
 
 
-def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv: KVCache, idx: int, visible_BxTxC):
+def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv: KVCache, idx: int, visible_BxTxC,
+                    attention=None):
+    """Gated attention over the committed prefix + the block. `attention`: a kernel from
+    `transformer._kernel_attention` (see `transformer.set_attention_impl`), else jnp `attend`."""
     B, T, _ = h_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg = linear(at.q_proj, h_BxTxE).reshape(B, T, H, 2 * D)
@@ -429,8 +433,8 @@ def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv
     v = linear(at.v_proj, h_BxTxE).reshape(B, T, K, D)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     kv = kvcache.write(kv, idx, k, v)
-    o = attend(q, kv.k[idx], kv.v[idx], visible_BxTxC).reshape(B, T, H * D)
-    o = o * jax.nn.sigmoid(gate)
+    o = attend(q, kv.k[idx], kv.v[idx], visible_BxTxC) if attention is None else attention(q, kv, idx)
+    o = o.reshape(B, T, H * D) * jax.nn.sigmoid(gate)
     return linear(at.o_proj, o), kv
 
 
@@ -457,7 +461,11 @@ def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, bloc
     cfg = model.config
     x = embed(model, tokens_BxT)
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    visible = kvcache.visible_mask(cache.kv, block_mask_BxTxS)
+    impl = getattr(model, "attention_impl", "jnp")  # transformer.set_attention_impl works on hybrids too
+    if impl == "jnp":
+        visible, attention = kvcache.visible_mask(cache.kv, block_mask_BxTxS), None
+    else:
+        visible, attention = None, transformer._kernel_attention(impl, block_mask_BxTxS)
     kv, extras, hidden = cache.kv, [], {}
     lin_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}
     attn_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
@@ -469,7 +477,7 @@ def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, bloc
             out, extra = linear_fn(layer.linear_attn, j, mixed, z, b, a, cache.state[j], cache.conv[j])
             extras.append(extra)
         else:
-            out, kv = attention_layer(layer.self_attn, cfg, h, cos, sin, kv, attn_index[i], visible)
+            out, kv = attention_layer(layer.self_attn, cfg, h, cos, sin, kv, attn_index[i], visible, attention)
         x = _mlp(layer, x + out)
         if i in hidden_layers:
             hidden[i] = x

@@ -235,7 +235,7 @@ def set_attention_impl(model: Model, impl: str) -> Model:
     via `pallas_kernels.ops.tree_attention` with impl "auto" (Triton on NVIDIA GPUs, interpret mode
     on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
     so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
-    changes."""
+    changes. A hybrid target (`specjax.models.hybrid`) accepts it too, for its gated-attention layers."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
     model.attention_impl = impl
