@@ -68,11 +68,8 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
         try:
-            n_heads = hf["num_attention_heads"]
-            hidden = hf["hidden_size"]
-            rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-            theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-            rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+            common = _hf_common(hf, source)
+            theta, rope_type, rope = _hf_rope(hf)
             scaling = RopeScaling(
                 rope_type=rope_type,
                 factor=float(rope.get("factor", 1.0)),
@@ -80,36 +77,19 @@ class ModelConfig:
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
             )
-            if hf.get("hidden_act", "silu") != "silu":
-                raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
             if hf.get("mlp_bias", False):
                 raise ValueError(f"{source}: mlp_bias=true is not supported")
             if hf.get("use_sliding_window", False):
                 raise ValueError(f"{source}: sliding-window attention is not supported")
             attention_bias = bool(hf.get("attention_bias", False))
-            eos = hf.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = tuple(eos)
             return cls(
-                vocab_size=hf["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=hf["intermediate_size"],
-                num_layers=hf["num_hidden_layers"],
-                num_heads=n_heads,
-                num_kv_heads=hf.get("num_key_value_heads") or n_heads,
-                head_dim=hf.get("head_dim") or hidden // n_heads,
+                **common,
                 model_type=model_type,
-                rope_theta=float(theta),
+                rope_theta=theta,
                 rope_scaling=scaling,
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=(model_type == "qwen2") or attention_bias,
                 o_bias=(model_type == "llama") and attention_bias,
                 qk_norm=(model_type == "qwen3"),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=eos,
-                pad_token_id=hf.get("pad_token_id"),
                 dtype=dtype,
             )
         except KeyError as e:
@@ -243,10 +223,8 @@ class HybridConfig:
         if hf.get("model_type") not in HYBRID_MODEL_TYPES:
             raise ValueError(f"{source}: unsupported model_type {hf.get('model_type')!r}")
         try:
-            n_layers = hf["num_hidden_layers"]
-            n_heads = hf["num_attention_heads"]
-            if hf.get("hidden_act", "silu") != "silu":
-                raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+            common = _hf_common(hf, source)
+            n_layers = common["num_layers"]
             layer_types = hf.get("layer_types")
             if layer_types is None:
                 interval = int(hf.get("full_attention_interval", 4))
@@ -259,23 +237,12 @@ class HybridConfig:
                 raise ValueError(f"{source}: layers {moe[:4]}{'...' if len(moe) > 4 else ''} are mixture-of-experts "
                                  f"(num_experts={n_experts}); only dense-MLP qwen3_next models are supported "
                                  "(num_experts 0, or every layer in mlp_only_layers)")
-            rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-            theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-            rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+            theta, rope_type, rope = _hf_rope(hf)
             if rope_type != "default":
                 raise ValueError(f"{source}: rope_type {rope_type!r} is not supported for qwen3_next (default only)")
             factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-            eos = hf.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = tuple(eos)
             return cls(
-                vocab_size=hf["vocab_size"],
-                hidden_size=hf["hidden_size"],
-                intermediate_size=hf["intermediate_size"],
-                num_layers=n_layers,
-                num_heads=n_heads,
-                num_kv_heads=hf.get("num_key_value_heads") or n_heads,
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+                **common,
                 layer_types=tuple(layer_types),
                 linear_num_key_heads=hf.get("linear_num_key_heads", 16),
                 linear_num_value_heads=hf.get("linear_num_value_heads", 32),
@@ -283,14 +250,8 @@ class HybridConfig:
                 linear_value_head_dim=hf.get("linear_value_head_dim", 128),
                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
                 partial_rotary_factor=float(factor),
-                rope_theta=float(theta),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rope_theta=theta,
                 attention_bias=bool(hf.get("attention_bias", False)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=eos,
-                pad_token_id=hf.get("pad_token_id"),
                 dtype=dtype,
             )
         except KeyError as e:
@@ -330,6 +291,37 @@ class HybridConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
+
+
+def _hf_common(hf: dict, source: str) -> dict:
+    """The fields every supported config.json shares (KeyError on a missing required one)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    n_heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def _hf_rope(hf: dict) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, the remaining rope parameters), from `rope_parameters` (newer
+    transformers) or `rope_scaling` + top-level `rope_theta` (older)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    return theta, rope.pop("rope_type", rope.pop("type", "default")), rope
 
 
 def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32) -> "ModelConfig | HybridConfig":

@@ -55,7 +55,7 @@ from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.config import HybridConfig
 from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, attend, causal_mask, linear
-from specjax.typing import Array, BlockMask, Float, Int, Logits, Positions, Tokens
+from specjax.typing import Array, BlockMask, Float, Int, Positions, Tokens
 
 CHUNK_SIZE = 64  # the chunked delta rule's chunk length (as HF's torch_chunk_gated_delta_rule)
 
@@ -444,14 +444,9 @@ def _mlp(layer: HybridLayer, x):
     return x + linear(mlp.down_proj, jax.nn.silu(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
 
 
-def embed(model: HybridModel, tokens_BxT: Tokens):
-    return model.embed_tokens[...][tokens_BxT]
-
-
-def lm_head(model: HybridModel, h_BxTxE) -> Logits:
-    if model.lm_head is None:
-        return (h_BxTxE @ model.embed_tokens[...].T).astype(jnp.float32)
-    return linear(model.lm_head, h_BxTxE).astype(jnp.float32)
+# The embedding and LM head are the transformer's (same parameter names, tied or not).
+embed = transformer.embed
+lm_head = transformer.lm_head
 
 
 def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, block_mask_BxTxS, hidden_layers,
