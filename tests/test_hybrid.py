@@ -249,7 +249,7 @@ def _forms(model, prompt, lens, block, n_keep, tree_parents, tree_tokens, path, 
     after = hybrid.decode_step(model, block[:, 0], committed)
     return dict(dec_logits=dec_logits.transpose(1, 0, 2), dec_state=dec_state, dec_conv=dec_conv,
                 ext_logits=ext.logits, ext_state=ext.cache.state, ext_conv=ext.cache.conv, ext_len=ext.cache.length,
-                tree_logits=tree.logits, tree_state=committed.state, tree_len=committed.length,
+                tree_logits=tree.logits, tree_state=committed.state, node_state=tree.cache.node_state, tree_len=committed.length,
                 after_logits=after.logits[:, 0], cache0_len=cache0.length)
 
 
@@ -275,12 +275,12 @@ def _root_path(parents, node):
 
 def test_chunked_recurrent_and_tree_forms_agree(small):
     rng = np.random.default_rng(3)
-    V, T, N = SMALL.vocab_size, 11, 7
+    V, T, N = SMALL.vocab_size, 11, 12
     prompts = [rng.integers(0, V, n).tolist() for n in (9, 4)]
     prompt, lens = _pad(prompts)
     block = jnp.asarray(rng.integers(0, V, (2, T)), jnp.int32)
     n_keep = jnp.array([T, 4], jnp.int32)  # row 1: a ragged block (and a commit of 4 nodes)
-    parents = [_random_tree(rng, N), [-1, 0, 1, 2, 0, 4, 5]]
+    parents = [_random_tree(rng, N), [-1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10]]  # row 1: a chain of 9 and a branch
     tree_tokens = jnp.asarray(rng.integers(0, V, (2, N)), jnp.int32)
     deepest = [max(range(N), key=lambda i: len(_root_path(p, i))) for p in parents]
     paths = [_root_path(p, d) for p, d in zip(parents, deepest)]
@@ -313,6 +313,8 @@ def test_chunked_recurrent_and_tree_forms_agree(small):
     for r, (b, i, d) in enumerate(owners):
         diff = _max_diff(out["tree_logits"][b, i], ref_logits[r, d - 1])
         assert diff <= TOL, f"row {b} node {i}: tree logits differ from its path's chain by {diff:.2e}"
+        diff = _max_diff(out["node_state"][:, b, i], np.asarray(ref_state)[:, r])
+        assert diff <= 1e-5, f"row {b} node {i}: its delta-rule state differs from its path's chain by {diff:.2e}"
         if i == deepest[b]:
             assert _max_diff(out["tree_state"][:, b], np.asarray(ref_state)[:, r]) <= 1e-5
             assert _max_diff(out["after_logits"][b], ref_after[r]) <= TOL  # K/V, state and conv all committed

@@ -25,8 +25,9 @@ the attention layers + the committed delta-rule and convolution states of the De
     decode_step(model, tokens, cache)                 recurrent form, one token, commits
 
 `forward` treats the block as a tree (a causal block is the chain `parents = arange(T) - 1`):
-node i's delta-rule state is f(state of parent(i), x_i), propagated depth by depth from the
-committed state, and its convolution window follows its ancestors. Every node's state goes into a
+node i's delta-rule state is f(state of parent(i), x_i) from the committed state, computed for
+every node in one pass (`delta_tree`: the chunked form's WY representation under the ancestor
+mask, exact for any tree), and its convolution window follows its ancestors. Every node's state goes into a
 per-node buffer (`HybridCache.node_state` [L_lin, B, T, H, dk, dv] float32 and `node_conv`
 [L_lin, B, T, K-1, C]); `commit` keeps the state of each row's last accepted node and gathers the
 attention layers' K/V with `kvcache.commit_path`. No replay, no host round-trip.
@@ -38,8 +39,8 @@ Memory of the per-node buffer: `node_state_bytes(config)` bytes per tree node an
 so a tree of N nodes over B rows holds B * N * node_state_bytes(config) bytes during
 verification (e.g. Qwen3-Next-80B in bf16: 36 * (32*128*128*4 + 3*8192*2) = 77.3 MB per node and
 row). `generate` refuses, before tracing, a tree whose buffer exceeds its `state_budget_bytes`
-(`engine.check_state_budget`). Transiently, one layer's propagation also holds about three
-[B, T, H, dk, dv] float32 temporaries.
+(`engine.check_state_budget`). Transiently, one layer's tree pass also holds a
+[B, H, T, T, dk] float32 temporary (the decay-weighted keys) next to its [B, H, T, dk, dv] states.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.config import HybridConfig
 from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, attend, causal_mask, linear
-from specjax.typing import Array, BlockMask, Float, Int, Positions, Tokens
+from specjax.typing import Array, BlockMask, Bool, Float, Int, Positions, Tokens
 
 CHUNK_SIZE = 64  # the chunked delta rule's chunk length (as HF's torch_chunk_gated_delta_rule)
 
@@ -355,28 +356,45 @@ def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
 
 def delta_tree(q, k, v, g, beta, S0_BxHxKxV, parents_BxT):
     """The tree form: node t's state is one delta step from its parent's (the committed S0 for
-    parent -1), propagated depth by depth into a per-node buffer. Returns (o [B, T, H, dv], the
-    per-node states [B, T, H, dk, dv]).
+    parent -1). Returns (o [B, T, H, dv], the per-node states [B, T, H, dk, dv]).
 
-    Each level updates every node from its parent's current state, so after d levels the nodes
-    of depth < d are exact: (max depth + 1) levels of T parallel updates (a chain of T costs T^2
-    updates; use `extend`, the chunked form, for long causal blocks)."""
+    One pass, no loop over depth: every root-to-node path is a chain, so the chunked form's
+    WY representation holds node by node with the causal mask replaced by the ancestor mask,
+    S_t = G_t S0 + sum_{j anc-or-self of t} (G_t / G_j) k_j u_j^T, where G_t is the decay product
+    along the path and the u_j solve a unit lower-triangular system (topological order) whose
+    row t couples only t's ancestors. Exact for any tree; a chain is the chunked form."""
     B, T = parents_BxT.shape
     S0 = S0_BxHxKxV.astype(jnp.float32)
     if T == 1:  # one token: a single recurrent step
         o, S = delta_step(S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
         return o[:, None], S[:, None]
-    has_parent = (parents_BxT >= 0)[:, :, None, None, None]
-    par = jnp.maximum(parents_BxT, 0)[:, :, None, None, None]
+    anc = ancestor_or_self(parents_BxT)[:, None]  # [B, 1, T, T]: j is t or an ancestor of t
+    strict = anc & ~jnp.eye(T, dtype=bool)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, T, d]
+    g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # [B, H, T]
+    cum = jnp.einsum("bxtj,bhj->bht", anc.astype(jnp.float32), g)  # log G_t: decay summed along the path
+    decay = jnp.where(anc, jnp.exp(jnp.where(anc, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    ut = jnp.where(strict, (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0) + jnp.eye(T, dtype=q.dtype)
+    inv = unit_lower_inverse(ut)
+    v_new = inv @ v_beta - (inv @ (k_beta * jnp.exp(cum)[..., None])) @ S0  # u_j [B, H, T, dv]
+    o = (q * jnp.exp(cum)[..., None]) @ S0 + ((q @ jnp.swapaxes(k, -1, -2)) * decay) @ v_new
+    states = (jnp.exp(cum)[..., None, None] * S0[:, :, None]
+              + jnp.einsum("bhtj,bhjk,bhjv->bhtkv", decay, k, v_new))  # [B, H, T, dk, dv]
+    return o.transpose(0, 2, 1, 3), states.transpose(0, 2, 1, 3, 4)
 
-    def level(_, buf):  # every node from its parent's current state: after d levels, depth < d is exact
-        parent_state = jnp.where(has_parent, jnp.take_along_axis(buf, par, axis=1), S0[:, None])
-        return delta_step(parent_state, q, k, v, g, beta)[1]
 
-    levels = jnp.max(tree_depth(parents_BxT)) + 1
-    buf = jax.lax.fori_loop(0, levels, level, jnp.broadcast_to(S0[:, None], (B, T) + S0.shape[1:]))
-    o = jnp.einsum("bthkv,bthk->bthv", buf, q)
-    return o, buf
+def ancestor_or_self(parents_BxT) -> Bool[Array, "B T T"]:
+    """mask[b, t, j]: node j is node t or one of its ancestors (parents in topological order)."""
+    T = parents_BxT.shape[1]
+    eye = jnp.eye(T, dtype=bool)[None]
+    has_parent = (parents_BxT >= 0)[..., None]
+    par = jnp.maximum(parents_BxT, 0)[..., None]
+
+    def step(_, anc):  # after d steps, every node of depth < d has its full ancestor row
+        return eye | (has_parent & jnp.take_along_axis(anc, par, axis=1))
+
+    return jax.lax.fori_loop(0, T, step, jnp.broadcast_to(eye, parents_BxT.shape + (T,)))
 
 
 def tree_depth(parents_BxT) -> Int[Array, "B T"]:
