@@ -76,6 +76,26 @@ def test_lm_drafter_greedy_exact_batch4(target, noisy_drafter, tree):
 def test_ngram_drafter_greedy_exact_batch4(target, tree):
     got = _check_exact(target, NgramDrafter(), tree, batch=4, repetitive=True)
     assert got.stats["depth_acceptance"].shape[1] == engine.tree_lib.parse_tree_spec(tree).max_depth
+    assert got.stats["accepted"].sum() > 0
+
+
+def test_ngram_tree_is_a_trie_of_the_best_matches():
+    """Context "1 2 3 1 2 4 1 2 5 1 2": the suffix "1 2" matched three times, most recent first;
+    their continuations share no prefix beyond the root. Shared prefixes merge; a budget cut keeps
+    the shallowest nodes (parents before children)."""
+    from specjax.drafters.ngram import trie
+    ctx = jnp.array([[1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 0, 0, 0]])
+    draft, valid = NgramDrafter().lookup(ctx, jnp.array([11]), 3, 3)
+    assert draft.tolist() == [[[5, 1, 2], [4, 1, 2], [3, 1, 2]]] and bool(valid.all())
+    chains = jnp.array([[[1, 2, 3], [1, 2, 4], [5, 6, 7]], [[1, 2, 3], [1, 2, 3], [1, 7, 0]]])
+    ok = jnp.ones((2, 3, 3), bool).at[1, 2, 2].set(False)
+    t = trie(jnp.array([9, 9]), chains, ok, 12)
+    assert t.tokens[0].tolist() == [9, 1, 5, 2, 6, 3, 4, 7, 0, 0, 0, 0]
+    assert t.parents[0].tolist() == [-1, 0, 0, 1, 2, 3, 3, 4, -1, -1, -1, -1]
+    assert t.tokens[1, :5].tolist() == [9, 1, 2, 7, 3] and t.parents[1, :5].tolist() == [-1, 0, 1, 1, 2]
+    assert t.valid.sum(1).tolist() == [8, 5]  # the duplicate chain and the invalid token add nothing
+    cut = trie(jnp.array([9, 9]), chains, ok, 5)
+    assert cut.tokens[0].tolist() == [9, 1, 5, 2, 6] and cut.depth[0].tolist() == [0, 1, 1, 2, 2]
 
 
 def test_independent_small_drafter_batch1(target, small_drafter):

@@ -70,7 +70,7 @@ def params_of(state):
 
 def test_config_files_parse():
     # Token budgets (what a few hours of this 2-core CPU allow; the model cards give the history):
-    # code-draft 7.9M; code-target 7.4M at 512 then 0.8M at 2048 (long prompts); the hybrid the
+    # code-draft 7.9M; code-target 7.4M at 512 then 0.66M at 2048 (long prompts); the hybrid the
     # first 400 steps of the target's 512-token phase (3.3M, the same batches), compared with
     # code-target's checkpoint at step 400.
     budgets = {"code-target": 8_000_000, "code-draft": 7_800_000, "code-target-hybrid": 3_200_000}

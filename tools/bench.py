@@ -50,7 +50,7 @@ class Method:
 def default_methods(drafters: dict) -> list[Method]:
     out = [Method("ar", None), Method("ar T=1", None, temperature=1.0)]
     trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "depth=6,topk=6,nodes=24"),
-             "ngram": ("chain=6",)}
+             "ngram": ("chain=6", "depth=6,topk=3,nodes=16")}
     for name in drafters:
         for t in trees.get(name, ("chain=4",)):
             out.append(Method(f"{name} {t}", name, t))

@@ -1,8 +1,12 @@
 """`ngram`: prompt lookup. The longest recent n-gram of the context that ends like the context
 does proposes what followed it. Free, training-free, parameter-free; strong on repetitive text.
 
-It drafts a chain (the first `min(depth, N-1)` nodes of any tree spec); q is one-hot, so every
-verification rule applies.
+A chain spec drafts the continuation of the best match (longest n-gram, then most recent). A
+tree spec drafts a trie: the continuations of the `branches` best matches (a dynamic spec's
+`topk`, a path list's widest branching), merged where they share a prefix, nodes ordered by depth
+then match rank and cut to the spec's node budget (parents always precede children, so the cut
+tree stays connected). The candidates are deterministic: verify with greedy or the
+deterministic-candidates rule (the engine refuses the sampled rules for this drafter).
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import tree as tree_lib
@@ -43,12 +48,13 @@ class NgramDrafter(nnx.Module):
         buf = jnp.zeros((B, capacity), jnp.int32).at[:, :P].set(prompt_BxP)
         return History(buf, lengths_B.astype(jnp.int32))
 
-    def lookup(self, ctx_BxC, len_B, depth: int):
-        """The `depth` tokens that followed the most recent longest suffix match, and their validity."""
+    def lookup(self, ctx_BxC, len_B, depth: int, branches: int = 1):
+        """The `depth` tokens after each of the `branches` best suffix matches (longest n-gram
+        first, then most recent) [B, K, D], and their validity."""
         B, C = ctx_BxC.shape
         j_C = jnp.arange(C)
-        best_end = jnp.full((B,), -1, jnp.int32)
-        for n in range(self.min_ngram, self.max_ngram + 1):  # longer matches override shorter ones
+        rank_BxC = jnp.full((B, C), -1, jnp.int32)  # per match end: n * C + end for its longest n
+        for n in range(self.min_ngram, self.max_ngram + 1):
             suffix_Bxn = jax.vmap(lambda c, l: jax.lax.dynamic_slice(c, (jnp.maximum(l - n, 0),), (n,)))(ctx_BxC, len_B)
             match = jnp.ones((B, C), bool)
             for i in range(n):
@@ -56,26 +62,72 @@ class NgramDrafter(nnx.Module):
                 shifted = jnp.roll(ctx_BxC, n - 1 - i, axis=1)
                 match &= shifted == suffix_Bxn[:, i:i + 1]
             ok = match & (j_C[None] >= n - 1) & (j_C[None] < len_B[:, None] - 1) & (len_B[:, None] >= n)
-            end = jnp.max(jnp.where(ok, j_C[None], -1), axis=1)
-            best_end = jnp.where(end >= 0, end, best_end)
-        idx_BxD = best_end[:, None] + 1 + jnp.arange(depth)[None]
-        valid = (best_end[:, None] >= 0) & (idx_BxD < len_B[:, None])
-        toks = jnp.take_along_axis(ctx_BxC, jnp.clip(idx_BxD, 0, C - 1), axis=1)
+            rank_BxC = jnp.where(ok, n * C + j_C[None], rank_BxC)
+        rank_BxK, end_BxK = jax.lax.top_k(rank_BxC, branches)
+        idx_BxKxD = end_BxK[..., None] + 1 + jnp.arange(depth)[None, None]
+        valid = (rank_BxK[..., None] >= 0) & (idx_BxKxD < len_B[:, None, None])
+        toks = jnp.take_along_axis(ctx_BxC[:, None], jnp.clip(idx_BxKxD, 0, C - 1), axis=2)
         return jnp.where(valid, toks, 0), valid
 
     def propose(self, hist: History, root_B, ctx: DraftContext) -> Proposal:
-        N = ctx.spec.num_nodes
-        D = min(ctx.spec.max_depth, N - 1)
+        spec = ctx.spec
+        N = spec.num_nodes
+        D = min(spec.max_depth, N - 1)
+        K = min(branches_of(spec), N - 1)
         ctx_tokens = _write(hist.tokens, root_B[:, None].astype(jnp.int32), hist.length)
-        draft, valid = self.lookup(ctx_tokens, hist.length + 1, D)
-        tree = tree_lib.chain_tree(root_B, draft)
-        tree = dataclasses.replace(tree, valid=tree.valid.at[:, 1:].set(valid))
-        tree = _pad_nodes(tree, N)
-        return Proposal(tree=tree, probs=None, state=hist)
+        draft_BxKxD, valid_BxKxD = self.lookup(ctx_tokens, hist.length + 1, D, K)
+        if K == 1:
+            tree = tree_lib.chain_tree(root_B, draft_BxKxD[:, 0])
+            tree = dataclasses.replace(tree, valid=tree.valid.at[:, 1:].set(valid_BxKxD[:, 0]))
+            return Proposal(tree=_pad_nodes(tree, N), probs=None, state=hist)
+        return Proposal(tree=trie(root_B, draft_BxKxD, valid_BxKxD, N), probs=None, state=hist)
 
     def commit(self, hist: History, committed: Committed) -> History:
         toks = _write(hist.tokens, committed.tokens, hist.length)
         return History(toks, hist.length + committed.count)
+
+
+def branches_of(spec) -> int:
+    """How many matches a tree spec asks for: 1 for a chain, a dynamic spec's topk, a path list's
+    widest branching."""
+    if isinstance(spec, tree_lib.DynamicTree):
+        return spec.topk
+    parents, _, _ = spec.layout()
+    return int(np.bincount(parents[1:]).max()) if len(parents) > 1 else 1
+
+
+def trie(root_B, draft_BxKxD, valid_BxKxD, num_nodes: int) -> tree_lib.TreeBuffers:
+    """K candidate chains under one root, merged where they share a prefix, as a padded tree of
+    `num_nodes` nodes: node (k, d) is kept where chain k is the first with its prefix up to depth
+    d; nodes sorted by (depth, k) and cut to the budget."""
+    B, K, D = draft_BxKxD.shape
+    N = min(num_nodes, K * D + 1)  # padded to num_nodes at the end
+    same = (draft_BxKxD[:, :, None] == draft_BxKxD[:, None, :]) & valid_BxKxD[:, None, :]  # [B, K, K', D]
+    same_prefix = jnp.cumprod(same.astype(jnp.int32), axis=-1).astype(bool) & valid_BxKxD[:, :, None]
+    first = jnp.argmax(same_prefix, axis=2)  # [B, K, D]: the first chain sharing (k, d)'s prefix
+    unique = valid_BxKxD & (first == jnp.arange(K)[None, :, None])
+    key = jnp.where(unique, jnp.arange(D)[None, None] * K + jnp.arange(K)[None, :, None], D * K)  # [B, K, D]
+    order = jnp.argsort(key.reshape(B, K * D), axis=1)[:, :N - 1]  # flat (k, d) of nodes 1..N-1
+    kept = jnp.take_along_axis(key.reshape(B, K * D), order, axis=1) < D * K
+    node_of = jnp.full((B, K * D), N, jnp.int32)  # flat (k, d) -> node id (N: not kept)
+    node_of = jax.vmap(lambda n, o, v: n.at[o].set(jnp.where(v, jnp.arange(1, N, dtype=jnp.int32), N)))(
+        node_of, order, kept)
+    k_of, d_of = order // D, order % D
+    # the parent of unique node (k, d) is the node of its prefix: chain first[k, d-1] at depth d-1
+    parent_chain = jnp.take_along_axis(first.reshape(B, K * D), k_of * D + jnp.maximum(d_of - 1, 0), axis=1)
+    parent = jnp.where(d_of == 0, 0, jnp.take_along_axis(node_of, parent_chain * D + d_of - 1, axis=1))
+    kept &= parent < N
+    tokens = jnp.take_along_axis(draft_BxKxD.reshape(B, K * D), order, axis=1)
+    cat = lambda root, rest: jnp.concatenate([root, rest], axis=1)
+    B1 = (B, 1)
+    tree = tree_lib.TreeBuffers(
+        tokens=cat(root_B[:, None].astype(jnp.int32), jnp.where(kept, tokens, 0).astype(jnp.int32)),
+        parents=cat(jnp.full(B1, -1, jnp.int32), jnp.where(kept, parent, -1).astype(jnp.int32)),
+        depth=cat(jnp.zeros(B1, jnp.int32), jnp.where(kept, d_of + 1, 0).astype(jnp.int32)),
+        valid=cat(jnp.ones(B1, bool), kept),
+        score=cat(jnp.zeros(B1), jnp.where(kept, -(d_of * K + k_of).astype(jnp.float32), -jnp.inf)),
+        source=jnp.zeros((B, N), jnp.int8))
+    return _pad_nodes(tree, num_nodes)
 
 
 def _pad_nodes(tree: tree_lib.TreeBuffers, N: int) -> tree_lib.TreeBuffers:
