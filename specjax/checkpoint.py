@@ -88,6 +88,11 @@ def hybrid_tensor_names(cfg: HybridConfig) -> dict[str, tuple[tuple[str, ...], t
     return names
 
 
+def has_weights(path) -> bool:
+    """A model directory with weights: `model.safetensors` or a sharded index."""
+    return any(os.path.exists(os.path.join(str(path), f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")

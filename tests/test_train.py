@@ -339,3 +339,6 @@ def test_reschedule_changes_phase_lengths_only(zoo, tmp_path):
     info = json.loads((tmp_path / "export" / "train_info.json").read_text())
     assert info["steps"] == 12 and info["tokens_trained"] == 8 * 4 * 16 + 4 * 4 * 32
     assert lm.reschedule_problem([{"seq_len": 16, "steps": 20}], [{"seq_len": 16, "steps": 30}], 20) is not None
+    from train import model_card  # the card tells the schedule's history
+    history = model_card._schedule_history(info["run"]["schedule_changes"])
+    assert "at step 6: 20@16 + 10@32 → 8@16 + 4@32" in history and "--reschedule" in history

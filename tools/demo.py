@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=96)
     args = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.model, "model.safetensors")):
+    from specjax.checkpoint import has_weights
+    if not has_weights(args.model):
         print(f"{args.model}: no trained model here yet. The zoo is trained by `make models` "
               f"(hours on a 2-core CPU; see configs/ and train/README.md).", file=sys.stderr)
         return 1

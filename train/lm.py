@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from specjax import kvcache
-from specjax.checkpoint import save_model
+from specjax.checkpoint import has_weights, save_model
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HYBRID_MODEL_TYPES, HybridConfig, ModelConfig, RopeScaling
 from specjax.models.transformer import causal_mask, forward
@@ -380,7 +380,7 @@ def check_resume(run_dir: Path, identity: dict, reschedule: bool = False) -> Non
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, overwrite: bool,
                     reschedule: bool = False) -> dict:
     identity = run_identity(cfg)
-    if export_dir is not None and (export_dir / "model.safetensors").exists() and not overwrite:
+    if export_dir is not None and has_weights(export_dir) and not overwrite:
         raise RunRefused(f"{export_dir} already holds a trained model (model.safetensors); "
                          f"pass --overwrite to replace it, or choose another --export.")
     if run_dir.exists() and (_has_checkpoints(run_dir) or (run_dir / "run.json").exists()):
@@ -434,11 +434,14 @@ def load_streams_for(tok: Tokenizer, manifest: str, root: str | None, max_files:
     return Streams(train=get("train"), validation=get("validation"))
 
 
+SHARD_BYTES = 24 << 20  # the repo ships no file over 30 MiB: bigger exports are sharded (HF index)
+
+
 def export(cfg: TrainConfig, params, tok: Tokenizer, export_dir: Path, info: dict) -> None:
     """Hugging Face format: bf16 model.safetensors, config.json, tokenizer.json (+ train_info.json)."""
     graphdef, _, _, _ = _step_fns(cfg)
     model = nnx.merge(graphdef, params)
-    save_model(model, str(export_dir), tokenizer=tok, dtype=jnp.bfloat16)
+    save_model(model, str(export_dir), tokenizer=tok, dtype=jnp.bfloat16, max_shard_bytes=SHARD_BYTES)
     (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -530,7 +533,7 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     # Phase lengths may differ (a run exported from a copy kept before a --reschedule): exporting
     # a checkpoint does not depend on the schedule, only on what the steps so far were.
     check_resume(run_dir, identity, reschedule=True)
-    if (export_dir / "model.safetensors").exists() and not overwrite:
+    if has_weights(export_dir) and not overwrite:
         raise RunRefused(f"{export_dir} already holds a model (model.safetensors); pass --overwrite to replace it.")
     tok = Tokenizer.from_file(str(_resolve(cfg.tokenizer)))
     mngr = checkpoint_manager(cfg, run_dir)

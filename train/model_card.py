@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -60,17 +61,21 @@ def _architecture(cfg) -> str:
 
 
 def lm_card(model_dir: Path, max_tokens: int | None = None, progress: bool = True, *, manifest_path: Path | None = None,
-            root: Path | None = None, cache_dir: Path | None = eval_ppl.DEFAULT_CACHE) -> tuple[str, dict]:
+            root: Path | None = None, cache_dir: Path | None = eval_ppl.DEFAULT_CACHE,
+            reuse_test: dict | None = None) -> tuple[str, dict]:
+    """(card text, eval record). `reuse_test`: a test-split result already measured for these very
+    weights (`--reuse-eval`), instead of scoring the split again."""
     model = load_model(str(model_dir))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     info = json.loads((model_dir / "train_info.json").read_text())
     tcfg = info["run"]["config"]
     name = tcfg["name"]
-    test = eval_ppl.evaluate_model(model_dir, split="test", seq_len=tcfg.get("eval_seq_len", 512),
-                                   max_tokens=max_tokens, manifest_path=manifest_path, root=root,
-                                   cache_dir=cache_dir, progress=progress)
+    test = reuse_test if reuse_test is not None else eval_ppl.evaluate_model(
+        model_dir, split="test", seq_len=tcfg.get("eval_seq_len", 512), max_tokens=max_tokens,
+        manifest_path=manifest_path, root=root, cache_dir=cache_dir, progress=progress)
     phases = tcfg["phases"]
     phase_txt = ", then ".join(f"{p['steps']} steps at sequence {p['seq_len']}" for p in phases)
+    history = _schedule_history(info["run"].get("schedule_changes") or [])
     total = sum(p["steps"] for p in phases)
     interim = info.get("interim", False)
     export_name = model_dir.name
@@ -97,7 +102,7 @@ Hugging Face format (`config.json`, `model.safetensors`, `tokenizer.json`): `spe
 (lr {tcfg['learning_rate']:g}, warm-up {tcfg['warmup_steps']}, cosine to {tcfg['min_lr_ratio']:g}×, weight decay
 {tcfg['weight_decay']:g}, clip {tcfg['grad_clip']:g}); {'bfloat16 compute over float32 master weights' if tcfg.get('bf16_compute') else 'float32'}; seed {tcfg['seed']}.
 Tokens seen: **{info['tokens_trained']:,}** in {info['steps']} steps, on this repo's 2-core CPU.
-
+{history}
 ## Evaluation
 | split | tokens scored | loss (nats/token) | perplexity | unigram perplexity |
 |---|---:|---:|---:|---:|
@@ -164,15 +169,35 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
+def _schedule_history(changes: list[dict]) -> str:
+    """The `--reschedule` history of a run (the cosine follows each new total from that step on)."""
+    if not changes:
+        return ""
+    fmt = lambda phases: " + ".join(f"{p['steps']}@{p['seq_len']}" for p in phases)
+    steps = "; ".join(f"at step {c['at_step']}: {fmt(c['old_phases'])} → {fmt(c['new_phases'])}" for c in changes)
+    return (f"The plan was changed while training (`--reschedule`; steps@sequence, the learning rate's cosine "
+            f"follows the new total from that step on): {steps}. An exact replay stops at each of those steps "
+            f"(`--max-steps`) and resumes with the next config and `--reschedule`.\n")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--max-tokens", type=int, default=None, help="score at most this many test tokens")
+    ap.add_argument("--reuse-eval", action="store_true",
+                    help="rewrite the card with the test result already in eval.json (same steps and tokens)")
     args = ap.parse_args(argv)
     if (args.model / "drafter_config.json").exists():
         card, record = feature_card(args.model)
     else:
-        card, record = lm_card(args.model, args.max_tokens, progress=True)
+        reuse = None
+        if args.reuse_eval:
+            old = json.loads((args.model / "eval.json").read_text())
+            info = json.loads((args.model / "train_info.json").read_text())
+            if (old.get("steps"), old.get("tokens_trained")) != (info["steps"], info["tokens_trained"]):
+                sys.exit(f"error: {args.model}/eval.json was measured for other weights; run without --reuse-eval")
+            reuse = old["test"]
+        card, record = lm_card(args.model, args.max_tokens, progress=True, reuse_test=reuse)
     (args.model / "README.md").write_text(card)
     (args.model / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {_rel(args.model / 'README.md')}")

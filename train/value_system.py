@@ -180,14 +180,15 @@ def label(d: dict) -> dict:
 # ----------------------------------------------------------------------------- files
 
 def sha256_of(path) -> str | None:
-    """sha256 of a model directory's weights (model.safetensors), or None for 'ngram' / objects."""
-    p = Path(str(path)) / "model.safetensors"
-    if not p.is_file():
+    """sha256 over a model directory's weight files (single or sharded), or None for 'ngram' / objects."""
+    files = sorted(Path(str(path)).glob("model*.safetensors")) if Path(str(path)).is_dir() else []
+    if not files:
         return None
     h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for p in files:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
