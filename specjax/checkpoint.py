@@ -93,6 +93,18 @@ def has_weights(path) -> bool:
     return any(os.path.exists(os.path.join(str(path), f)) for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
+def weights_sha256(path) -> str:
+    """sha256 of a model directory's tensors serialised as one `model.safetensors` file, so the
+    digest names the weights, not how they are sharded (a resharded export keeps its digest)."""
+    import hashlib
+    from safetensors.numpy import save
+    single = os.path.join(str(path), "model.safetensors")
+    if os.path.exists(single):
+        with open(single, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(save(_read_tensors(str(path)), metadata={"format": "pt"})).hexdigest()
+
+
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")

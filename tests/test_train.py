@@ -264,6 +264,13 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     target = load_model(str(full_run["export"]))
     drafter = load_drafter(str(zoo["base"] / "feat-export"), target)
     assert isinstance(drafter, FeatureDrafter)
+    info = json.loads((zoo["base"] / "feat-export" / "train_info.json").read_text())
+    (zoo["base"] / "feat-config.json").write_text(json.dumps(info["run"]["config"]))
+    assert feature.load_config(zoo["base"] / "feat-config.json") == cfg  # the whole config, card and zoo read it
+    assert info["tokens_trained"] == cfg.steps * cfg.batch_size * cfg.seq_len
+    from train import model_card
+    card, _ = model_card.feature_card(zoo["base"] / "feat-export")
+    assert f"configs/{cfg.name}.json" in card
     prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
     ref = specjax.generate(target, prompts, max_new_tokens=12)
     got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")

@@ -546,3 +546,8 @@ def test_bench_smoke(tmp_path):
         assert rows["always"]["invoke_rate"] == 1.0 and rows["never"]["invoke_rate"] == 0.0
     assert js["pairs"]["ngram+lm"]["scheduler_heldout_accuracy"] is not None
     assert out.with_suffix(".png").stat().st_size > 0 and "| oracle |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "speedup over best single" in md and "geometric mean" in md
+    out.with_suffix(".md").unlink()
+    assert bench_treegraft.main(["--render", str(out.with_suffix(".json"))]) == 0  # re-render, no measurement
+    assert out.with_suffix(".md").read_text() == md

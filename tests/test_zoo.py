@@ -100,3 +100,10 @@ def test_code_target_greedy_matches_transformers():
 
     exact, near = compare_greedy(theirs, [list(map(int, r)) for r in ours], hf_logits)
     assert exact + near == len(ids)
+
+
+def test_shipped_schedulers():
+    """models/treegraft/<pair>: files intact, and the same decisions on a fixed grid of features."""
+    for name, want in ZOO.get("schedulers", {}).items():
+        assert zoo.scheduler_record(REPO / "models" / "treegraft" / name) == want, name
+    assert sorted(d.name for d in zoo.scheduler_dirs()) == sorted(ZOO.get("schedulers", {}))

@@ -2,8 +2,8 @@
 
 For each method (autoregressive; chain and tree with each drafter; greedy and temperature 1):
 tokens/s, speedup over our autoregressive loop measured in the same run, tau (mean acceptance
-length, bonus included) and per-depth acceptance, medians over repeats after an untimed warm-up
-call. Greedy methods are checked token for token against greedy autoregressive output; a
+length, bonus included) and per-depth acceptance, medians over repeats after untimed warm-up
+calls (one per prompt-length bucket, so every shape is compiled before timing). Greedy methods are checked token for token against greedy autoregressive output; a
 divergence counts as an honest near-tie only where the target's top-2 logits are within 1e-4.
 With `--hf`, transformers' assisted generation (assistant_model = the same draft weights, and
 prompt lookup) runs on the same prompts as the peer (batch 1, its only mode).
@@ -63,11 +63,21 @@ def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
     return [prompts[i:i + size] for i in range(0, n, size)]
 
 
+def warmup_groups(groups):
+    """One group per compiled shape (prompts are padded to the engine's bucket)."""
+    from specjax.engine import PROMPT_BUCKET
+    seen = {}
+    for g in groups:
+        seen.setdefault(-(-max(len(p) for p in g) // PROMPT_BUCKET), g)
+    return list(seen.values())
+
+
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0) -> dict:
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
     if m.drafter is not None:
         kw.update(drafters=[drafters[m.drafter]], tree=m.tree)
-    specjax.generate(target, groups[0], seed=seed, **kw)  # compile (untimed)
+    for g in warmup_groups(groups):  # compile every prompt bucket (untimed), so repeats time decoding only
+        specjax.generate(target, g, seed=seed, **kw)
     times, results = [], None
     for r in range(repeats):
         t0 = time.perf_counter()
@@ -123,7 +133,7 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dic
         asst = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
         variants.append(("hf assisted (code-draft)", {"assistant_model": asst}))
     for name, extra in variants:
-        def run():
+        def run(prompts=prompts):
             n = 0
             with torch.inference_mode():
                 for p in prompts:
@@ -132,7 +142,7 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dic
                     n += out.shape[1] - len(p)
             return n
         try:
-            run()  # warm-up
+            run(prompts[:1])  # warm-up (eager torch: nothing to compile)
         except Exception as e:  # e.g. assisted generation on a model whose cache cannot be cropped (hybrid)
             rows.append({"method": name, "unsupported": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
             continue

@@ -199,6 +199,36 @@ def heldout_accuracy(sched_dir: Path):
 
 # ----------------------------------------------------------------------------- output
 
+def summary_lines(results: dict) -> list[str]:
+    """TreeGraft (distilled scheduler) against the best single-drafter strategy (cheap-only or
+    strong-only, whichever was faster on that set), and against the fixed policies, per pair and set."""
+    lines = ["## Summary: TreeGraft (scheduler) over the best single drafter", "",
+             "| pair | set | best single (tokens/s) | scheduler tokens/s | speedup over best single | "
+             "vs never | vs always |", "|---|---|---|---:|---:|---:|---:|"]
+    ratios = {"single": [], "never": [], "always": []}
+    for pair, res in results.items():
+        for s, row in res["sets"].items():
+            if "scheduler" not in row:
+                continue
+            best = max(("cheap-only", "strong-only"), key=lambda m: row[m]["tokens_per_s"])
+            tg = row["scheduler"]["tokens_per_s"]
+            r = {"single": tg / row[best]["tokens_per_s"], "never": tg / row["never"]["tokens_per_s"],
+                 "always": tg / row["always"]["tokens_per_s"]}
+            for k in ratios:
+                ratios[k].append(r[k])
+            lines.append(f"| {pair} | {s} | {best} ({row[best]['tokens_per_s']:.1f}) | {tg:.1f} | "
+                         f"{r['single']:.3f}x | {r['never']:.3f}x | {r['always']:.3f}x |")
+    if ratios["single"]:
+        gm = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
+        wins = {k: sum(x > 1 for x in v) for k, v in ratios.items()}
+        n = len(ratios["single"])
+        lines += [f"| **average** (geometric mean of {n}) | | | | **{gm['single']:.3f}x** | {gm['never']:.3f}x | "
+                  f"{gm['always']:.3f}x |", "",
+                  f"The scheduler is faster than the best single drafter on {wins['single']}/{n} pair-sets, than "
+                  f"never-graft on {wins['never']}/{n}, than always-graft on {wins['always']}/{n}.", ""]
+    return lines
+
+
 def write_outputs(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# TreeGraft benchmark ({meta['setup']})", "",
@@ -239,6 +269,7 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
                   f"{c['strong_score_ms']:.3f} ms; scheduler / cheap proposal = "
                   f"{c['scheduler_ms'] / max(c['cheap_propose_ms'], 1e-9):.2f}. Scheduler held-out accuracy: "
                   f"{'—' if acc is None else f'{acc:.3f}'} ({res.get('scheduler_dir') or 'no scheduler'}).", ""]
+    lines += summary_lines(results)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     strip = lambda r: {k: v for k, v in r.items() if k != "sequences"}
     js = {"meta": meta, "pairs": {p: {**{k: v for k, v in res.items() if k != "sets"},
@@ -286,7 +317,14 @@ def main(argv=None) -> int:
     ap.add_argument("--distill-steps", type=int, default=2000)
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=None, help="output stem (default bench/bench_treegraft[_smoke])")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="rewrite <stem>.md/.png from a stored <stem>.json (no measurement)")
     args = ap.parse_args(argv)
+    if args.render:  # rewrite the table and plot from a stored run, measuring nothing
+        stored = json.loads(Path(args.render).read_text())
+        write_outputs(stored["pairs"], stored["meta"], Path(args.render).with_suffix(""))
+        print(Path(args.render).with_suffix(".md").read_text())
+        return 0
     out = Path(args.out or REPO / ("bench/bench_treegraft_smoke" if args.smoke else "bench/bench_treegraft"))
 
     if args.smoke:

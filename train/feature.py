@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.drafters import feature as F
 from specjax.models import family, transformer
 from train import data
@@ -141,10 +141,9 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
 
 
 def _identity(cfg: FeatureTrainConfig, target_dir: Path) -> dict:
-    import hashlib
     d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
     d["target_layers"] = list(d["target_layers"]) if d["target_layers"] else None
-    d["target_sha256"] = hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()
+    d["target_sha256"] = weights_sha256(target_dir)
     return d
 
 
@@ -208,9 +207,18 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
         if record is None:
             record = evaluate(eval_step, state["params"], val, cfg.batch_size)
         F.save_feature_head(nnx.merge(head_def, state["params"]), str(export_dir))
-        (export_dir / "train_info.json").write_text(json.dumps({"run": identity, "final": record}, indent=2) + "\n")
+        (export_dir / "train_info.json").write_text(json.dumps(train_info(cfg, identity, record), indent=2) + "\n")
         print(f"exported {export_dir}")
     return state
+
+
+def train_info(cfg: FeatureTrainConfig, identity: dict, record: dict) -> dict:
+    """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
+    read), the target's weights digest, the positions trained on, the final validation record."""
+    config = dataclasses.asdict(cfg)
+    config["target_layers"] = list(config["target_layers"]) if config["target_layers"] else None
+    return {"run": {"config": config, "target_sha256": identity["target_sha256"]},
+            "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
 
 
 def evaluate(eval_step, params, windows, batch_size) -> dict:

@@ -83,6 +83,27 @@ def model_dirs() -> list[Path]:
             if d.is_dir() and ((d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists())]
 
 
+SCHEDULERS = MODELS / "treegraft"
+
+
+def scheduler_dirs() -> list[Path]:
+    """TreeGraft's distilled schedulers, one per drafter pair (models/treegraft/<cheap+strong>)."""
+    from specjax.scheduler import CONFIG_FILE
+    return sorted(d for d in SCHEDULERS.iterdir() if (d / CONFIG_FILE).exists()) if SCHEDULERS.is_dir() else []
+
+
+def scheduler_record(d: Path) -> dict:
+    """Files' sha256, and the scheduler's decisions on a fixed grid of feature vectors (its weights
+    and normalisation, not only its files, decide them)."""
+    import numpy as np
+    from specjax.scheduler import load_scheduler
+    sched, calibration, _ = load_scheduler(str(d))
+    n_in = len(sched.config.feature_names)
+    grid = np.linspace(-2.0, 2.0, 8 * n_in, dtype=np.float32).reshape(8, n_in)
+    return {"files": {p.name: _sha256(p) for p in sorted(d.iterdir()) if p.is_file()},
+            "calibration": calibration, "decisions": [bool(x) for x in np.asarray(sched.decide(grid))]}
+
+
 def write() -> dict:
     targets: dict = {}
     zoo = {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "draft_chain": DRAFT_CHAIN,
@@ -92,6 +113,7 @@ def write() -> dict:
     for d in dirs:
         zoo["models"][d.name] = record_for(d, targets)
         print(f"{d.name}: {zoo['models'][d.name]['bytes'] / 1e6:.1f} MB")
+    zoo["schedulers"] = {d.name: scheduler_record(d) for d in scheduler_dirs()}
     ZOO_JSON.write_text(json.dumps(zoo, indent=2) + "\n")
     return zoo
 
@@ -117,6 +139,13 @@ def check() -> list[str]:
         key = "draft_chain" if want["kind"] == "feature" else "greedy"
         if got[key] != want[key]:
             problems.append(f"{name}: {key} {got[key]} differs from the stored {want[key]}")
+    for name, want in zoo.get("schedulers", {}).items():
+        d = SCHEDULERS / name
+        if not d.is_dir():
+            problems.append(f"treegraft/{name}: listed in models/zoo.json but missing")
+        elif (got := scheduler_record(d)) != want:
+            problems.append(f"treegraft/{name}: differs from models/zoo.json "
+                            f"({'files' if got['files'] != want['files'] else 'decisions'})")
     return problems
 
 
