@@ -51,6 +51,7 @@ from specjax import scheduler as sched_lib  # noqa: E402
 from specjax.drafters import DraftContext, LMDrafter, NgramDrafter  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 from specjax.treegraft import RoundStepper, TreeGraft  # noqa: E402
+from train.lm import repo_relative  # noqa: E402
 
 PAIRS = ("ngram+feature", "feature+lm", "ngram+lm")
 SETS = ("functions", "docstrings", "tests", "long")
@@ -360,8 +361,9 @@ def main(argv=None) -> int:
                 from train.value_system import sha256_of
                 values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
                 paths = {"lm": args.draft, "feature": args.feature, "ngram": "ngram"}
-                prov = {"models": {"target": {"path": args.target, "sha256": sha256_of(args.target)},
-                                   **{role: {"spec": paths[n], "kind": n, "sha256": sha256_of(paths[n])}
+                prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
+                                   **{role: {"spec": repo_relative(paths[n]) if n != "ngram" else n, "kind": n,
+                                             "sha256": sha256_of(paths[n])}
                                       for role, n in (("cheap", cheap_name), ("strong", strong_name))}},
                         "prompts": {"split": "train", "sets": list(SETS), "per_set": args.value_prompts_per_set,
                                     "context_tokens": args.context, "long_tokens": args.long_tokens}}
@@ -374,7 +376,7 @@ def main(argv=None) -> int:
         else:
             sched_dir = None
             tg = TreeGraft(cheap, strong, policy="never")
-        res = {"sets": {}, "scheduler_dir": None if sched_dir is None else str(sched_dir),
+        res = {"sets": {}, "scheduler_dir": None if sched_dir is None else repo_relative(sched_dir),
                "scheduler_heldout_accuracy": None if sched_dir is None else heldout_accuracy(sched_dir)}
         for s, prompts in eval_sets.items():
             if not prompts:

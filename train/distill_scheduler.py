@@ -39,6 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from specjax import scheduler as sched_lib
+from train.lm import repo_relative
 from train.value_system import load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def _identity(cfg: DistillConfig, data_paths, kind: str) -> dict:
     for p in data_paths:
         h.update((Path(p) / "values.npz").read_bytes())
     return {"config": {**dataclasses.asdict(cfg), "hidden": list(cfg.hidden), "kind": kind},
-            "data": [str(p) for p in data_paths], "data_sha256": h.hexdigest(),
+            "data": [repo_relative(p) for p in data_paths], "data_sha256": h.hexdigest(),
             "feature_layout": sched_lib.FEATURE_LAYOUT}
 
 
@@ -209,7 +210,7 @@ def distill(data_paths, run_dir, export=None, cfg: DistillConfig = DistillConfig
                "heldout_prompts": int(len(np.unique(data["prompt"][held]))),
                "train_prompts": int(len(np.unique(data["prompt"][~held]))),
                "calibration": float(data["calibration"]),
-               "data": [str(p) for p in data_paths],
+               "data": [repo_relative(p) for p in data_paths],
                "models": [p.get("models") for p in provs], "config": {**dataclasses.asdict(cfg), "hidden": list(cfg.hidden)}}
     if export is not None:
         export = Path(export)

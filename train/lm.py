@@ -123,6 +123,15 @@ def _resolve(path: str | None) -> Path | None:
     return None if path is None else (REPO / path if not Path(path).is_absolute() else Path(path))
 
 
+def repo_relative(path) -> str:
+    """The inverse of `_resolve` for what gets written down (cards, provenance, bench tables): a path
+    inside the repo as relative to its root, so no machine's checkout path is recorded."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def config_from_dict(d: dict) -> TrainConfig:
     d = dict(d)
     m = dict(d.pop("model"))

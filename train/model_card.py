@@ -24,14 +24,7 @@ from flax import nnx
 from specjax.checkpoint import load_model
 from specjax.models.config import HybridConfig
 from train import corpus, eval_ppl
-from train.lm import REPO
-
-
-def _rel(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
+from train.lm import repo_relative as _rel
 
 
 def _corpus_lines(manifest: corpus.Manifest) -> list[str]:

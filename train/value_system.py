@@ -274,9 +274,12 @@ def main(argv=None) -> int:
     data = collect(target, tg, args.tree, [p["ids"] for p in prompts], batch_size=args.batch_size,
                    max_new_tokens=args.max_new_tokens, continue_with=args.continue_with,
                    timing_repeats=args.timing_repeats, seed=args.seed, prompt_sets=[p["set"] for p in prompts])
-    prov = {"models": {"target": {"path": args.target, "sha256": sha256_of(args.target)},
-                       "cheap": {"spec": args.cheap, "kind": cheap.name, "sha256": sha256_of(args.cheap)},
-                       "strong": {"spec": args.strong, "kind": strong.name, "sha256": sha256_of(args.strong)}},
+    from train.lm import repo_relative
+    prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
+                       "cheap": {"spec": args.cheap if args.cheap == "ngram" else repo_relative(args.cheap),
+                                 "kind": cheap.name, "sha256": sha256_of(args.cheap)},
+                       "strong": {"spec": repo_relative(args.strong), "kind": strong.name,
+                                  "sha256": sha256_of(args.strong)}},
             "prompts": {"split": "train", "sets": args.sets.split(","), "per_set": args.prompts_per_set,
                         "context_tokens": args.context, "long_tokens": args.long_tokens, "count": len(prompts),
                         "items": [{"set": p["set"], "path": p["path"], "tokens": len(p["ids"])} for p in prompts]},
