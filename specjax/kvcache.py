@@ -38,20 +38,20 @@ def init(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: in
                    length=jnp.zeros((batch,), jnp.int32))
 
 
-def _write_rows(buf_BxCxKxD, new_BxTxKxD, start_B):
-    def one(buf, new, s):
-        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (s, 0, 0))
-    return jax.vmap(one)(buf_BxCxKxD, new_BxTxKxD, start_B)
-
-
 def write(cache: KVCache, layer: int, k_BxTxKxD, v_BxTxKxD, offset_B=None) -> KVCache:
     """Writes one layer's new K/V at slots `length + offset` of each row (length is not advanced).
 
     `offset` (default 0) places a block after earlier scratch blocks, as a drafter does when it
-    expands its tree depth by depth."""
+    expands its tree depth by depth. One scatter into the whole [L, B, C, K, D] buffer, updated in
+    place. (Slicing the layer out and setting it back made XLA copy the buffer in a standalone jitted
+    step, a cost that grew with the capacity; inside the engine's loop both forms cost the same.)
+    Slots past the capacity are dropped (the engine sizes the cache so that none are)."""
     start_B = cache.length if offset_B is None else cache.length + offset_B
-    k = cache.k.at[layer].set(_write_rows(cache.k[layer], k_BxTxKxD, start_B))
-    v = cache.v.at[layer].set(_write_rows(cache.v[layer], v_BxTxKxD, start_B))
+    B, T = k_BxTxKxD.shape[:2]
+    slot_BxT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    row_BxT = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    k = cache.k.at[layer, row_BxT, slot_BxT].set(k_BxTxKxD.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[layer, row_BxT, slot_BxT].set(v_BxTxKxD.astype(cache.v.dtype), mode="drop")
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -80,11 +80,12 @@ def commit_path(cache: KVCache, path_BxP: Int[Array, "B P"], n_keep_B: Lengths) 
     src_BxP = jnp.clip(src_BxP, 0, cache.capacity - 1)
     dst_BxP = jnp.clip(dst_BxP, 0, cache.capacity - 1)
 
+    row_BxP = jnp.broadcast_to(jnp.arange(cache.batch, dtype=jnp.int32)[:, None], src_BxP.shape)
+
     def move(buf_LxBxCxKxD):
-        def row(buf_LxCxKxD, src_P, dst_P):
-            gathered = buf_LxCxKxD[:, src_P]  # [L, P, K, D], read before any write
-            return buf_LxCxKxD.at[:, dst_P].set(gathered)
-        return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(buf_LxBxCxKxD, src_BxP, dst_BxP)
+        # A gather then one scatter into the whole buffer (updated in place, as in `write`).
+        gathered_LxBxPxKxD = buf_LxBxCxKxD[:, row_BxP, src_BxP]  # read before any write
+        return buf_LxBxCxKxD.at[:, row_BxP, dst_BxP].set(gathered_LxBxPxKxD)
 
     return KVCache(k=move(cache.k), v=move(cache.v), length=cache.length + n_keep_B.astype(jnp.int32))
 

@@ -210,6 +210,15 @@ def test_commit_path_moves_slots_exactly():
     np.testing.assert_array_equal(np.asarray(new.v), -np.asarray(new.k))
 
 
+def test_cache_write_lands_in_place_and_drops_past_capacity():
+    cache = kvcache.set_length(kvcache.init(2, 2, 6, 1, 1), jnp.asarray([1, 4], jnp.int32))
+    new = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3, 1, 1)
+    out = jax.jit(kvcache.write, static_argnums=1)(cache, 1, new, -new)
+    k = np.asarray(out.k)[..., 0, 0]
+    np.testing.assert_array_equal(k[1], [[0, 1, 2, 3, 0, 0], [0, 0, 0, 0, 4, 5]])  # row 1: slot 6 dropped
+    assert not k[0].any() and (np.asarray(out.v) == -np.asarray(out.k)).all()
+
+
 def test_fixtures_exercise_biases_and_norms(tiny_models):
     """The parity tests only prove bias / q-k-norm handling if those weights are not trivial."""
     q2 = tiny_models["qwen2"].jx.layers[0].self_attn

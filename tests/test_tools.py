@@ -10,9 +10,11 @@ sys.path.insert(0, str(REPO / "tools"))
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     import bench
     out = tmp_path / "spec"
-    assert bench.main(["--smoke", "--methods", "lm chain=4", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--methods", "lm chain=4,lm chain=4 T=1 sampled", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4"]
+    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4", "lm chain=4 T=1 sampled"]
+    sampled = rows[3]  # the sampled-candidates rule, its speedup against AR at the same temperature
+    assert sampled["temperature"] == 1.0 and sampled["tau"] >= 1 and "speedup" in sampled
     lm = rows[2]
     assert lm["check"]["mismatch"] == 0 and lm["check"]["exact"] + lm["check"]["near_tie"] == 4
     assert lm["tau"] > 1 and len(lm["depth_acceptance"]) == 4

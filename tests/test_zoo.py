@@ -1,6 +1,6 @@
 """The shipped model zoo: the tokenizer, and every model listed in models/zoo.json (files intact,
 config as its training config says, the zoo tokenizer, a model card, the stored greedy
-continuation / draft chain); code-target's greedy continuations of test-split prompts equal
+continuation / draft chain); the targets' greedy continuations of test-split prompts equal
 transformers'."""
 import json
 from pathlib import Path
@@ -72,9 +72,10 @@ def _check_feature(name):
     assert "top-1 agreement" in (d / "README.md").read_text()
 
 
-def test_code_target_greedy_matches_transformers():
-    """transformers loads the shipped weights and continues test-split prompts exactly as we do."""
-    name = "code-target"
+@pytest.mark.parametrize("name", ["code-target", "code-target-hybrid"])
+def test_target_greedy_matches_transformers(name):
+    """transformers loads the shipped weights (LlamaForCausalLM, Qwen3NextForCausalLM) and continues
+    test-split prompts exactly as we do."""
     if name not in LMS:
         return  # not shipped yet: test_zoo_manifest_lists_every_shipped_model holds the listing honest
     torch = pytest.importorskip("torch")

@@ -1,6 +1,7 @@
 """Speculative decoding on the model zoo, every method side by side in one process.
 
-For each method (autoregressive; chain and tree with each drafter; greedy and temperature 1):
+For each method (autoregressive; chain and tree with each drafter; greedy and temperature 1, the
+latter with the deterministic-candidates rule and, for a drafter with a distribution, the sampled one):
 tokens/s, speedup over our autoregressive loop measured in the same run, tau (mean acceptance
 length, bonus included) and per-depth acceptance, medians over repeats after untimed warm-up
 calls (one per prompt-length bucket, so every shape is compiled before timing). Greedy methods are checked token for token against greedy autoregressive output; a
@@ -45,6 +46,7 @@ class Method:
     drafter: str | None  # key into the loaded drafters; None: autoregressive
     tree: str | None = None
     temperature: float = 0.0
+    verify: str | None = None  # None: the engine's default rule (greedy at T=0, deterministic candidates at T>0)
 
 
 def default_methods(drafters: dict) -> list[Method]:
@@ -54,7 +56,10 @@ def default_methods(drafters: dict) -> list[Method]:
     for name in drafters:
         for t in trees.get(name, ("chain=4",)):
             out.append(Method(f"{name} {t}", name, t))
-        out.append(Method(f"{name} {trees.get(name, ('chain=4',))[0]} T=1", name, trees.get(name, ("chain=4",))[0], 1.0))
+        chain = trees.get(name, ("chain=4",))[0]
+        out.append(Method(f"{name} {chain} T=1", name, chain, 1.0))
+        if name != "ngram":  # a drafter with a distribution q: also the sampled-candidates rule
+            out.append(Method(f"{name} {chain} T=1 sampled", name, chain, 1.0, verify="sampled"))
     return out
 
 
@@ -75,7 +80,7 @@ def warmup_groups(groups):
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0) -> dict:
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
     if m.drafter is not None:
-        kw.update(drafters=[drafters[m.drafter]], tree=m.tree)
+        kw.update(drafters=[drafters[m.drafter]], tree=m.tree, verify=m.verify)
     for g in warmup_groups(groups):  # compile every prompt bucket (untimed), so repeats time decoding only
         specjax.generate(target, g, seed=seed, **kw)
     times, results = [], None
