@@ -206,6 +206,18 @@ def test_model_card(zoo, full_run):
     assert record["steps"] == FULL_STEPS and not record["interim"] and record["tokens_trained"] == 20 * 4 * 16 + 10 * 4 * 32
     assert f"{record['test']['ppl']:.2f}" in card and "python -m train.lm --config configs/tiny.json" in card
     assert "Interim" not in card
+    # --compare: another export's measured test row next to this one's (same test tokens only)
+    other = full_run["export"].parent / "other-export"
+    other.mkdir(exist_ok=True)
+    (other / "eval.json").write_text(json.dumps({**record, "name": "other", "params": 1_000_000,
+                                                 "test": {**record["test"], "ppl": 99.5}}))
+    card, _ = model_card.lm_card(full_run["export"], manifest_path=zoo["manifest"], root=zoo["root"], cache_dir=None,
+                                 progress=False, reuse_test=record["test"], compare=(other,))
+    assert "| `other` | 1.00M |" in card and "99.50 |" in card and "--compare" in card
+    (other / "eval.json").write_text(json.dumps({**record, "test": {**record["test"], "tokens": 7}}))
+    with pytest.raises(ValueError, match="other test tokens"):
+        model_card.lm_card(full_run["export"], manifest_path=zoo["manifest"], root=zoo["root"], cache_dir=None,
+                           progress=False, reuse_test=record["test"], compare=(other,))
 
 
 def test_cli(zoo, full_run, tmp_path, capsys):

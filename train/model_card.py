@@ -55,9 +55,10 @@ def _architecture(cfg) -> str:
 
 def lm_card(model_dir: Path, max_tokens: int | None = None, progress: bool = True, *, manifest_path: Path | None = None,
             root: Path | None = None, cache_dir: Path | None = eval_ppl.DEFAULT_CACHE,
-            reuse_test: dict | None = None) -> tuple[str, dict]:
+            reuse_test: dict | None = None, compare: tuple[Path, ...] = ()) -> tuple[str, dict]:
     """(card text, eval record). `reuse_test`: a test-split result already measured for these very
-    weights (`--reuse-eval`), instead of scoring the split again."""
+    weights (`--reuse-eval`), instead of scoring the split again. `compare`: other models' exports
+    whose measured test row (their `eval.json`) the card sets next to this one's."""
     model = load_model(str(model_dir))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     info = json.loads((model_dir / "train_info.json").read_text())
@@ -81,6 +82,7 @@ def lm_card(model_dir: Path, max_tokens: int | None = None, progress: bool = Tru
                    f"python -m train.lm --config configs/{name}.json --run-dir runs/{name} --export-latest "
                    f"--export models/{export_name} --note '{info['note']}'")
     manifest = corpus.read_manifest(manifest_path or corpus.MANIFEST_PATH)
+    card_args = (f" --max-tokens {max_tokens}" if max_tokens else "") + "".join(f" --compare {_rel(d)}" for d in compare)
     card = f"""# {export_name}
 
 {status}{_architecture(model.config)}; {n_params / 1e6:.2f}M parameters, stored as bfloat16 safetensors in
@@ -103,13 +105,13 @@ Tokens seen: **{info['tokens_trained']:,}** in {info['steps']} steps, on this re
 | test | {test['tokens']:,} | {test['loss']:.4f} | {test['ppl']:.2f} | {test['unigram_ppl']:.1f} |
 
 Windows of {test['seq_len']} tokens over the split's token stream, each token scored once, float32.
-Measured by `python -m train.model_card --model models/{export_name}{f' --max-tokens {max_tokens}' if max_tokens else ''}`
+{_comparison(export_name, n_params, info['tokens_trained'], test, compare)}Measured by `python -m train.model_card --model models/{export_name}{card_args}`
 (the test row alone: `python -m train.eval_ppl --model models/{export_name} --split test`).
 
 ## Reproduce
 ```
 {command}
-python -m train.model_card --model models/{export_name}
+python -m train.model_card --model models/{export_name}{card_args}
 ```
 Resumable: the same command continues from the last checkpoint with the same data order.
 """
@@ -162,6 +164,22 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
+def _comparison(name: str, n_params: int, tokens: int, test: dict, others: tuple[Path, ...]) -> str:
+    """A table of this model's test row next to other exports' (read from their eval.json)."""
+    if not others:
+        return ""
+    rows = [f"| `{name}` (this model) | {n_params / 1e6:.2f}M | {tokens:,} | {test['loss']:.4f} | {test['ppl']:.2f} |"]
+    for d in others:
+        ev = json.loads((d / "eval.json").read_text())
+        if (ev["test"]["tokens"], ev["test"]["seq_len"]) != (test["tokens"], test["seq_len"]):
+            raise ValueError(f"{d}/eval.json scored other test tokens ({ev['test']['tokens']} in windows of "
+                             f"{ev['test']['seq_len']}); compare models scored on the same split")
+        rows.append(f"| `{ev['name']}` | {ev['params'] / 1e6:.2f}M | {ev['tokens_trained']:,} | "
+                    f"{ev['test']['loss']:.4f} | {ev['test']['ppl']:.2f} |")
+    return ("\nOn the same test tokens (each model's `eval.json`):\n\n| model | parameters | tokens trained | test loss | "
+            "test ppl |\n|---|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n\n")
+
+
 def _schedule_history(changes: list[dict]) -> str:
     """The `--reschedule` history of a run (the cosine follows each new total from that step on)."""
     if not changes:
@@ -177,6 +195,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--max-tokens", type=int, default=None, help="score at most this many test tokens")
+    ap.add_argument("--compare", type=Path, nargs="*", default=[], metavar="DIR",
+                    help="exports (with eval.json) whose test row the card shows next to this model's")
     ap.add_argument("--reuse-eval", action="store_true",
                     help="rewrite the card with the test result already in eval.json (same steps and tokens)")
     args = ap.parse_args(argv)
@@ -190,7 +210,8 @@ def main(argv=None) -> None:
             if (old.get("steps"), old.get("tokens_trained")) != (info["steps"], info["tokens_trained"]):
                 sys.exit(f"error: {args.model}/eval.json was measured for other weights; run without --reuse-eval")
             reuse = old["test"]
-        card, record = lm_card(args.model, args.max_tokens, progress=True, reuse_test=reuse)
+        card, record = lm_card(args.model, args.max_tokens, progress=True, reuse_test=reuse,
+                               compare=tuple(args.compare))
     (args.model / "README.md").write_text(card)
     (args.model / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {_rel(args.model / 'README.md')}")
