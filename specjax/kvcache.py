@@ -72,20 +72,16 @@ def commit_path(cache: KVCache, path_BxP: Int[Array, "B P"], n_keep_B: Lengths) 
     path's K/V become contiguous, the rejected branches fall beyond the new length.
     """
     P = path_BxP.shape[1]
-    src_BxP = cache.length[:, None] + jnp.clip(path_BxP, 0, cache.capacity - 1)
-    dst_BxP = cache.length[:, None] + jnp.arange(P)[None, :]
+    src_BxP = jnp.clip(cache.length[:, None] + path_BxP, 0, cache.capacity - 1)
     keep_BxP = jnp.arange(P)[None, :] < n_keep_B[:, None]
-    # Rejected entries rewrite their own destination slot with its current value (a no-op).
-    src_BxP = jnp.where(keep_BxP, src_BxP, dst_BxP)
-    src_BxP = jnp.clip(src_BxP, 0, cache.capacity - 1)
-    dst_BxP = jnp.clip(dst_BxP, 0, cache.capacity - 1)
-
+    # Rejected entries (and any slot past the capacity) are sent out of range and dropped.
+    dst_BxP = jnp.where(keep_BxP, cache.length[:, None] + jnp.arange(P)[None, :], cache.capacity)
     row_BxP = jnp.broadcast_to(jnp.arange(cache.batch, dtype=jnp.int32)[:, None], src_BxP.shape)
 
     def move(buf_LxBxCxKxD):
         # A gather then one scatter into the whole buffer (updated in place, as in `write`).
         gathered_LxBxPxKxD = buf_LxBxCxKxD[:, row_BxP, src_BxP]  # read before any write
-        return buf_LxBxCxKxD.at[:, row_BxP, dst_BxP].set(gathered_LxBxPxKxD)
+        return buf_LxBxCxKxD.at[:, row_BxP, dst_BxP].set(gathered_LxBxPxKxD, mode="drop")
 
     return KVCache(k=move(cache.k), v=move(cache.v), length=cache.length + n_keep_B.astype(jnp.int32))
 

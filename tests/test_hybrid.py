@@ -321,6 +321,33 @@ def test_chunked_recurrent_and_tree_forms_agree(small):
     np.testing.assert_array_equal(out["tree_len"], out["cache0_len"] + np.asarray(keep))
 
 
+def test_chunked_form_is_exact_when_keys_align():
+    """A trained model's keys align (repeated tokens, beta near 1, little decay): the chunked
+    form's triangular inverse must stay exact there. (The doubling product it once used was off by
+    ~1e6 here and made a training run's loss NaN.)"""
+    from specjax.models.hybrid import delta_chunked, delta_step, unit_lower_inverse
+    c = 64
+    ones = np.eye(c, dtype=np.float32) + np.tril(np.ones((c, c), np.float32), -1)
+    np.testing.assert_allclose(np.asarray(unit_lower_inverse(jnp.asarray(ones))), np.linalg.inv(ones), atol=1e-5)
+    rng = np.random.default_rng(0)
+    B, T, H, dk, dv = 1, 2 * c, 2, 16, 8
+    k = rng.normal(size=(B, T, H, dk)) + 3.0  # nearly parallel keys
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = rng.normal(size=(B, T, H, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(B, T, H, dv))
+    g = -0.01 * rng.random((B, T, H))
+    beta = 1 / (1 + np.exp(-rng.normal(3.0, 1.0, (B, T, H))))
+    q, k, v, g, beta = (jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta))
+    S0 = jnp.asarray(rng.normal(size=(B, H, dk, dv)), jnp.float32)
+    o, S = delta_chunked(q, k, v, g, beta, S0, chunk_size=c)
+    S_ref, o_ref = S0, []
+    for t in range(T):
+        o_t, S_ref = delta_step(S_ref, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        o_ref.append(o_t)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jnp.stack(o_ref, 1)), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(S), np.asarray(S_ref), atol=1e-4)
+
+
 def test_node_state_bytes_formula():
     L_lin, Hv, dk, dv, K, C = 1, 4, 8, 6, 4, 2 * 2 * 8 + 4 * 6
     assert hybrid.node_state_bytes(SMALL) == L_lin * (Hv * dk * dv * 4 + (K - 1) * C * 4)

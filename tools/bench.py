@@ -241,7 +241,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
-    ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"))
+    ap.add_argument("--feature", default=None,
+                    help="feature drafter (default: the target's own, TARGET-feature, where it exists; '' for none)")
     ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests"])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
@@ -253,6 +254,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
     args = ap.parse_args(argv)
+    if args.feature is None:  # a feature drafter reads its own target's features: never another target's
+        args.feature = f"{args.target.rstrip('/')}-feature"
 
     if args.smoke:
         target, drafters, prompts = smoke_setup()

@@ -107,7 +107,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
-    ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"))
+    ap.add_argument("--feature", default=None,
+                    help="feature drafter (default: the target's own, TARGET-feature, where it exists; '' for none)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -115,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.feature is None:  # a feature drafter reads its own target's features: never another target's
+        args.feature = f"{args.target.rstrip('/')}-feature"
     if args.smoke:
         args.new_tokens, args.repeats, args.context = 12, 1, 40
     out = Path(args.out or REPO / ("bench/bench_round_smoke" if args.smoke else "bench/bench_round"))
