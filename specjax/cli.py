@@ -204,7 +204,8 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         from specjax.drafters import load_drafter
         # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
-        drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold)
+        drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
+                                target_path=args.model)
                     for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None

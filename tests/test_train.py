@@ -274,8 +274,17 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
         feature.train(cfg, zoo["base"] / "feat-other", zoo["base"] / "feat-export", progress=False)
     # the export drafts for its target, losslessly
     target = load_model(str(full_run["export"]))
-    drafter = load_drafter(str(zoo["base"] / "feat-export"), target)
+    drafter = load_drafter(str(zoo["base"] / "feat-export"), target, target_path=str(full_run["export"]))
     assert isinstance(drafter, FeatureDrafter)
+    # the same target shapes with other weights (a retrained target, a sibling model): refused
+    other = zoo["base"] / "other-target"
+    shutil.copytree(full_run["export"], other, dirs_exist_ok=True)
+    weights = next(other.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # the last byte is tensor data: still a valid file, one weight changed
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="trained on target weights"):
+        load_drafter(str(zoo["base"] / "feat-export"), load_model(str(other)), target_path=str(other))
     info = json.loads((zoo["base"] / "feat-export" / "train_info.json").read_text())
     (zoo["base"] / "feat-config.json").write_text(json.dumps(info["run"]["config"]))
     assert feature.load_config(zoo["base"] / "feat-config.json") == cfg  # the whole config, card and zoo read it

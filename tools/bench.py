@@ -193,7 +193,7 @@ def zoo_setup(args):
     if args.draft and os.path.isdir(args.draft):
         drafters["lm"] = load_drafter(args.draft, target)
     if args.feature and os.path.isdir(args.feature):
-        drafters["feature"] = load_drafter(args.feature, target)
+        drafters["feature"] = load_drafter(args.feature, target, target_path=args.target)
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts

@@ -89,7 +89,7 @@ def load_models(args):
         drafters = {"ngram": NgramDrafter()}
         for name, d in (("lm", args.draft), ("feature", args.feature)):
             if d and Path(d).is_dir():
-                drafters[name] = load_drafter(d, target)
+                drafters[name] = load_drafter(d, target, target_path=str(tdir))
         return target, drafters, prompts, f"zoo: {tdir.name}"
     from train import lm
     tcfg = lm.load_config(REPO / "configs/code-target.json").model

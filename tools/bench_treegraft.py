@@ -92,7 +92,7 @@ def zoo_setup(args):
     drafters = {"ngram": NgramDrafter()}
     for name, path in (("lm", args.draft), ("feature", args.feature)):
         if os.path.isdir(path):
-            drafters[name] = load_drafter(path, target)
+            drafters[name] = load_drafter(path, target, target_path=args.target)
     eval_sets = {}
     for s in args.sets.split(","):
         if s == "long":

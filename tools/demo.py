@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         names.append("ngram")
     trees = {"ngram": "chain=6"}
     for name in names:
-        drafter = load_drafter(name, model)
+        drafter = load_drafter(name, model, target_path=args.model)
         tree = args.tree or trees.get(name, "depth=6,topk=6,nodes=24" if drafter.name == "feature" else "chain=4")
         res, t = timed(lambda: specjax.generate(model, ids, drafters=[drafter], tree=tree, **kw))
         same = res.sequences() == ar.sequences()

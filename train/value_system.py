@@ -264,7 +264,8 @@ def main(argv=None) -> int:
     target = specjax.load_model(args.target)
     tok = specjax.load_tokenizer(args.target)
     try:
-        cheap, strong = load_drafter(args.cheap, target), load_drafter(args.strong, target)
+        cheap = load_drafter(args.cheap, target, target_path=args.target)
+        strong = load_drafter(args.strong, target, target_path=args.target)
         tg = TreeGraft(cheap, strong, policy="never", cheap_tree=args.cheap_tree, graft_nodes=args.graft_nodes,
                        graft_topk=args.graft_topk)
         prompts = training_prompts(tok, args.sets.split(","), args.prompts_per_set, context_tokens=args.context,

@@ -62,12 +62,14 @@ def draft_chain(head_dir: Path, target, ids: list[int]) -> list[int]:
 
 def record_for(d: Path, targets: dict) -> dict:
     from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.drafters import check_feature_target
 
     files = {p.name: _sha256(p) for p in sorted(d.iterdir()) if p.is_file() and p.name != "eval.json"}
     rec = {"files": files, "bytes": sum(p.stat().st_size for p in d.iterdir() if p.is_file())}
     if (d / "drafter_config.json").exists():
         info = json.loads((d / "train_info.json").read_text())
         target_dir = REPO / info["run"]["config"]["target"]
+        check_feature_target(str(d), str(target_dir))  # a retrained target leaves its old head stale
         target = targets.setdefault(target_dir.name, load_model(str(target_dir)))
         tok = load_tokenizer(str(target_dir))
         rec.update(kind="feature", target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))

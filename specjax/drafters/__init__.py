@@ -7,10 +7,13 @@ from specjax.drafters.ngram import NgramDrafter
 __all__ = ["Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "load_drafter"]
 
 
-def load_drafter(spec: str, target, fold=None):
+def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None):
     """A drafter from a command-line spec: `ngram` (or `ngram:N` for the longest n-gram), a
     feature-drafter directory (`drafter_config.json`), or a Hugging Face model directory (lm).
-    `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters)."""
+    `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters).
+    `target_path`: the target's directory; a feature drafter reads that target's hidden states, so
+    one trained on other weights (its `train_info.json` records the digest) is refused: shapes
+    alone do not tell two targets of the same size apart, and a foreign head silently drafts badly."""
     import os
 
     from specjax.checkpoint import load_model
@@ -27,5 +30,31 @@ def load_drafter(spec: str, target, fold=None):
     if not os.path.isdir(spec):
         raise ValueError(f"drafter {spec!r}: not 'ngram' and no such directory")
     if os.path.exists(os.path.join(spec, "drafter_config.json")):
+        if target_path is not None:
+            check_feature_target(spec, target_path)
         return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)
+
+
+def check_feature_target(head_dir: str, target_path: str) -> None:
+    """Raises ValueError when the feature drafter in `head_dir` was trained on other target weights
+    than those in `target_path` (no-op for a head without a recorded digest)."""
+    import json
+    import os
+
+    from specjax.checkpoint import weights_sha256
+
+    info_file = os.path.join(head_dir, "train_info.json")
+    if not os.path.exists(info_file):
+        return
+    try:
+        with open(info_file) as f:
+            trained_on = json.load(f).get("run", {}).get("target_sha256")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{info_file}: unreadable ({e})") from None
+    if trained_on is None:
+        return
+    actual = weights_sha256(target_path)
+    if actual != trained_on:
+        raise ValueError(f"feature drafter {head_dir} was trained on target weights {trained_on[:12]}…, but "
+                         f"{target_path} holds {actual[:12]}… (train one for this target: python -m train.feature)")
