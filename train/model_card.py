@@ -138,7 +138,8 @@ EAGLE-3-style feature drafter for `{cfg['target']}` (`specjax/drafters/feature.p
 hidden states after layers {dcfg.get('target_layers')} into one vector, runs one decoder layer
 (SwiGLU {dcfg.get('intermediate_size')}), and shares the target's embedding and LM head (not stored
 here). {n_params / 1e6:.2f}M parameters of its own, `drafter_config.json` + `model.safetensors`;
-`specjax.drafters.load_drafter` reads it for that target only (the vocabulary and width are checked).
+`specjax.drafters.load_drafter` reads it for that target only (vocabulary and width checked; given
+`target_path`, the target weights too, against the digest in `train_info.json`).
 
 ## Training
 `train/feature.py`, config `configs/{name}.json`: training-time test with {cfg['ttt_steps']} unrolled steps
