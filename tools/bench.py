@@ -17,6 +17,7 @@ Writes bench/<out>.md, .json and .png. Float32 on CPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import dataclasses
 import json
 import os
@@ -281,6 +282,10 @@ def main(argv=None):
         if m.temperature == 0 and m.drafter is not None:
             row["check"] = greedy_check(target, flat, ar[0.0]["sequences"], row["sequences"])
         rows.append(row)
+        # Free this method's executables: XLA:CPU maps each one in thousands of pieces, and the
+        # hybrid target's programs exhausted the kernel's map limit (65530) by the 8th method.
+        jax.clear_caches()
+        gc.collect()
     if args.hf and not args.smoke:
         hf_rows = hf_assisted(args.target, args.draft if os.path.isdir(args.draft) else None,
                               [p for p in flat], args.new_tokens, args.repeats)
