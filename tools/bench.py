@@ -17,8 +17,8 @@ Writes bench/<out>.md, .json and .png. Float32 on CPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import dataclasses
+import gc
 import json
 import os
 import platform

@@ -4,7 +4,7 @@ from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.ngram import NgramDrafter
 
-__all__ = ["Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "load_drafter"]
+__all__ = ["Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None):
