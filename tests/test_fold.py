@@ -285,9 +285,9 @@ def test_cli_fold_flag(tmp_path, capsys, monkeypatch):
     import specjax.drafters as drafters_mod
     seen = []
 
-    def spy(spec, target, fold=None):
+    def spy(spec, target, fold=None, **kw):
         seen.append(fold)
-        return load_drafter(spec, target, fold=fold)
+        return load_drafter(spec, target, fold=fold, **kw)
 
     monkeypatch.setattr(drafters_mod, "load_drafter", spy)
     with pytest.raises(SystemExit) as e:  # refused by generate's check, before tracing
