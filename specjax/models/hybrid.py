@@ -296,9 +296,8 @@ def unit_lower_inverse(a_xCxC):
     of size s give those of size 2s, [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], log2 C
     levels of batched matmuls. Every intermediate is the exact inverse of a diagonal block, so it
     stays as small as the answer. (Not the doubling product (I - N)(I + N^2)(I + N^4)...: the powers
-    of N grow like binomial coefficients when keys align — up to ~1e17 for a 64-chunk — and the
-    cancellation left errors of 1e6-1e9 against entries of at most 1; a trained hybrid's loss went
-    NaN. Not a triangular solve either: XLA's CPU solve calls OpenBLAS, whose own thread pool
+    of N grow like binomial coefficients when keys align, and the cancellation left errors far
+    above entries that are at most 1; a trained hybrid's loss went NaN. Not a triangular solve either: XLA's CPU solve calls OpenBLAS, whose own thread pool
     deadlocked inside XLA's at training sizes.)"""
     c = a_xCxC.shape[-1]
     n = 1 << max(c - 1, 0).bit_length()  # next power of two; padded with the identity
