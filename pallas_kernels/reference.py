@@ -6,10 +6,10 @@ interpret mode, tests/test_kernels.py).
 
 Tree attention (design §4, §8) — queries are the T block/tree nodes of each row, keys the row's
 cache slots: the committed prefix [0, length) plus the scratch slots [length, length + S) under a
-block mask (ancestor mask of a tree, causal mask of a prefill block). Its definition is literally
-the model's own attention:
-
-    transformer.attend(q, k_cache, v_cache, kvcache.visible_mask(cache, block_mask))
+block mask (ancestor mask of a tree, causal mask of a prefill block). Its definition is the
+model's own attention, `specjax.attention.attend` over `specjax.kvcache.visible_mask`, of which
+`_attend` and `_visible_mask` here are copies (this package imports nothing from specjax; the test
+suite checks that the two agree bit for bit).
 
 Far-memory attention (FOLD, design §7) — a drafter query block over keys with a per-key position
 and segment id; see `far_attention_reference`.
@@ -20,10 +20,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from specjax import kvcache
-from specjax.kvcache import KVCache
-from specjax.models import transformer
 
 # Segment ids of far-memory attention keys.
 SEG_PAD, SEG_SINK, SEG_LOCAL, SEG_FAR = -1, 0, 1, 2
@@ -87,6 +83,32 @@ def _lse_to_BxTxH(lse_BxKxGxT):
 
 # ----------------------------------------------------------------------------- tree attention
 
+def _visible_mask(lengths_B, capacity: int, block_mask_BxTxS):
+    """`specjax.kvcache.visible_mask`: query t sees slot c iff c < length, or the block mask bit
+    (t, c - length) is set for 0 <= c - length < S. [B, T, C]."""
+    B, T, S = block_mask_BxTxS.shape
+    rel_BxC = jnp.arange(capacity)[None, :] - lengths_B[:, None]
+    prefix_BxC = rel_BxC < 0
+    in_block_BxC = (rel_BxC >= 0) & (rel_BxC < S)
+    idx_BxTxC = jnp.broadcast_to(jnp.clip(rel_BxC, 0, S - 1)[:, None, :], (B, T, capacity))
+    block_BxTxC = jnp.take_along_axis(block_mask_BxTxS, idx_BxTxC, axis=2)
+    return prefix_BxC[:, None, :] | (in_block_BxC[:, None, :] & block_BxTxC)
+
+
+def _attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC):
+    """`specjax.attention.attend`: softmax attention of T queries over C slots (GQA: H = K * G)."""
+    B, T, H, D = q_BxTxHxD.shape
+    K = k_BxCxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
+    s_BxKxGxTxC = jnp.einsum("btkgd,bckd->bkgtc", q_BxTxKxGxD, k_BxCxKxD,
+                             preferred_element_type=jnp.float32) / math.sqrt(D)
+    s_BxKxGxTxC = jnp.where(visible_BxTxC[:, None, None], s_BxKxGxTxC, -jnp.inf)
+    p = jax.nn.softmax(s_BxKxGxTxC, axis=-1)
+    p = jnp.where(visible_BxTxC[:, None, None], p, 0.0)  # rows with nothing visible give 0, not NaN
+    out_BxTxKxGxD = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v_BxCxKxD.dtype), v_BxCxKxD)
+    return out_BxTxKxGxD.reshape(B, T, H, D)
+
+
 def tree_attention_reference(q_BxTxHxD, k_cache, v_cache, lengths_B, mask_bits_BxTxW, *,
                              layer: int | None = None, return_lse: bool = False):
     """Tree / block attention over a KV cache, by definition.
@@ -102,9 +124,8 @@ def tree_attention_reference(q_BxTxHxD, k_cache, v_cache, lengths_B, mask_bits_B
     """
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
-    cache = KVCache(k=k_cache[None], v=v_cache[None], length=lengths_B.astype(jnp.int32))
-    visible_BxTxC = kvcache.visible_mask(cache, unpack_mask(mask_bits_BxTxW))
-    out = transformer.attend(q_BxTxHxD, k_cache, v_cache, visible_BxTxC)
+    visible_BxTxC = _visible_mask(lengths_B.astype(jnp.int32), k_cache.shape[1], unpack_mask(mask_bits_BxTxW))
+    out = _attend(q_BxTxHxD, k_cache, v_cache, visible_BxTxC)
     if not return_lse:
         return out
     D = q_BxTxHxD.shape[-1]
@@ -118,7 +139,7 @@ def tree_attention_reference(q_BxTxHxD, k_cache, v_cache, lengths_B, mask_bits_B
 # ----------------------------------------------------------------------------- far-memory attention
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> jax.Array:
-    """Default RoPE inverse frequencies [D/2], as `transformer.rope_inv_freq` for rope_type default."""
+    """Default RoPE inverse frequencies [D/2], as `specjax.attention.rope_inv_freq` for rope_type default."""
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
@@ -132,9 +153,13 @@ def fold_beta(n_far, window, lam):
 
 
 def _rope(x_BxTxHxD, pos_BxT, inv_freq):
+    """x rotated at `pos` (HF rotate_half; `specjax.attention.rotate`)."""
     freqs = pos_BxT[..., None].astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return transformer.apply_rope(x_BxTxHxD, jnp.cos(emb), jnp.sin(emb))
+    cos, sin = jnp.cos(emb)[:, :, None, :], jnp.sin(emb)[:, :, None, :]
+    half = x_BxTxHxD.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
+    return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
 
 
 def far_attention_reference(q_BxTxHxD, k_BxNxKxD, v_BxNxKxD, q_pos_BxT, k_pos_BxN, segment_BxN, beta, *,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +16,11 @@ import numpy as np
 from flax import nnx
 
 from specjax import sampling, tree as tree_lib, verify as verify_lib
-from specjax.drafters.base import Committed, DraftContext
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.models import family
 from specjax.models.transformer import Model
 from specjax.sampling import SamplingParams
+from specjax.typing import Array, Bool, Int
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so lengths share compiles
 # Default budget for a recurrent target's per-node tree state buffer (see `check_state_budget`).
@@ -229,6 +230,9 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
         raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
                          "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
     drafter = drafters[0]
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"a drafter must subclass specjax.drafters.Drafter (the drafter contract), got "
+                         f"{type(drafter).__name__}")
     V = model.config.vocab_size
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
@@ -236,18 +240,15 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     spec = tree_lib.parse_tree_spec(DEFAULT_TREE if tree is None else tree)
     rule = resolve_rule(verify, temperature)
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
-    # Composite drafters (TreeGraft) check the spec and rule themselves and need their own scratch slots.
-    scratch = drafter.check_tree(spec, rule) if hasattr(drafter, "check_tree") else 0
-    if mode != "topk" and drafter.name == "ngram":
-        raise ValueError(f"the n-gram drafter proposes deterministic candidates; use verify='deterministic', not {rule!r}")
+    # The drafter refuses what it cannot draft (e.g. sampled rules without q) and says what scratch it needs.
+    scratch = drafter.check_tree(spec, rule)
     if mode != "topk" and isinstance(spec, tree_lib.DynamicTree):
         raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
     evaluated = max(spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes, scratch)
     slack = max(spec.num_nodes, evaluated) + spec.max_depth + 2
     batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack)
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
-    if hasattr(drafter, "validate"):  # a drafter's own checks against its cache capacity (e.g. FOLD's window)
-        drafter.validate(batch.capacity)
+    drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
     graphdef, state = nnx.split((model, drafter))
     tokens, lengths, stats = _generate_spec(
         graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
@@ -264,36 +265,76 @@ def _write_rows(buf_BxT, new_BxK, start_B):
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s,)))(buf_BxT, new_BxK, start_B)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """Per-row counters of the loop (the engine's; a drafter adds its own through `loop_stats`)."""
+    rounds: Int[Array, "B"]  # rounds the row took part in
+    accepted: Int[Array, "B"]  # accepted draft tokens (bonus tokens not counted)
+    accepted_at_depth: Int[Array, "B D"]  # rounds whose accepted path reached depth d+1
+
+    @classmethod
+    def zeros(cls, B: int, D: int) -> "RoundStats":
+        z = jnp.zeros((B,), jnp.int32)
+        return cls(rounds=z, accepted=z, accepted_at_depth=jnp.zeros((B, D), jnp.int32))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopCarry:
+    """The state of the generation loop between rounds."""
+    r: Int[Array, ""]  # round counter (folds into the RNG key)
+    root: Int[Array, "B"]  # the last emitted token of each row: next round's tree root
+    cache: Any  # the target's committed cache (KVCache, or HybridCache for a hybrid target)
+    dstate: Any  # the drafter's state
+    done: Bool[Array, "B"]  # the row hit EOS or max_new_tokens
+    n_out: Int[Array, "B"]  # tokens emitted so far per row
+    buf: Int[Array, "B M+D+1"]  # emitted tokens (a round may write up to D+1 past M; cut at the end)
+    stats: RoundStats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundOutput:
+    """What one round did (for TreeGraft's value system and the benches)."""
+    proposal: Proposal
+    verdict: verify_lib.Verdict
+    committed: Committed
+    active: Bool[Array, "B"]  # rows still generating at the round's start
+    emitted: Int[Array, "B"]  # tokens this round added to each row's output
+
+
 def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, *, capacity: int,
-               max_new_tokens: int, spec, greedy: bool) -> dict:
+               max_new_tokens: int, spec, greedy: bool) -> LoopCarry:
     """Prefill target and drafter and emit the first token: the loop's initial carry."""
     B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
     fam = family(model)  # transformer or hybrid: the target's functions
     out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
                       hidden_layers=tuple(drafter.target_layers))
     root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
-    return dict(r=jnp.int32(1), root=root_B, cache=out.cache,
-                dstate=drafter.init(prompt_BxP, lengths_B, capacity, out),
-                done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
-                buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
-                stats=dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
-                           accepted_at_depth=jnp.zeros((B, D), jnp.int32)))
+    return LoopCarry(r=jnp.int32(1), root=root_B, cache=out.cache,
+                     dstate=drafter.init(prompt_BxP, lengths_B, capacity, out),
+                     done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
+                     buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
+                     stats=RoundStats.zeros(B, D))
 
 
-def spec_round(model, drafter, carry: dict, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
-               rule: str, spec, mode: str) -> tuple[dict, dict]:
+def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
+               rule: str, spec, mode: str) -> tuple[LoopCarry, RoundOutput]:
     """One round: draft a tree, verify it in one target forward, commit the accepted path in the
     target and the drafter, emit accepted + bonus tokens (cut at EOS and max_new_tokens).
 
     The body of the generation loop, and (jitted alone) the single round that TreeGraft's value
-    system steps from the host. Returns (next carry, this round's proposal / verdict / committed)."""
+    system steps from the host."""
     M, D = max_new_tokens, spec.max_depth
     layers = tuple(drafter.target_layers)
     fam = family(model)
-    r, root_B, cache, done_B, n_out_B, buf, stats = (carry[k] for k in ("r", "root", "cache", "done", "n_out",
-                                                                        "buf", "stats"))
-    k_draft, k_verify = jax.random.split(jax.random.fold_in(key, r))
-    prop = drafter.propose(carry["dstate"], root_B, DraftContext(spec, mode, params, k_draft))
+    root_B, cache, done_B, n_out_B, buf = carry.root, carry.cache, carry.done, carry.n_out, carry.buf
+    k_draft, k_verify = jax.random.split(jax.random.fold_in(key, carry.r))
+    prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft))
     tree = prop.tree
     tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
                        tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
@@ -304,9 +345,10 @@ def spec_round(model, drafter, carry: dict, params: SamplingParams, key, eos_E, 
     features = None
     if layers:  # target features along the accepted path, for feature drafters
         features = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
-    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
-                          positions=cache.length[:, None] + jnp.arange(D + 1)[None], features=features)
     cache = fam.commit(tout.cache, vd.path, keep_B)
+    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
+                          positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
+                          target=cache)
     dstate = drafter.commit(prop.state, committed)
     # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
     i = jnp.arange(D + 1)[None]
@@ -319,13 +361,13 @@ def spec_round(model, drafter, carry: dict, params: SamplingParams, key, eos_E, 
     n_out_B = n_out_B + count
     done_B = done_B | (active & jnp.any(hit & (i < count[:, None]), axis=1)) | (n_out_B >= M)
     act = active.astype(jnp.int32)
-    stats = dict(rounds=stats["rounds"] + act,
-                 accepted=stats["accepted"] + act * vd.num_accepted,
-                 accepted_at_depth=stats["accepted_at_depth"]
-                 + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
-    new = dict(r=r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate, done=done_B,
-               n_out=n_out_B, buf=buf, stats=stats)
-    return new, dict(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
+    st = carry.stats
+    stats = RoundStats(rounds=st.rounds + act, accepted=st.accepted + act * vd.num_accepted,
+                       accepted_at_depth=st.accepted_at_depth
+                       + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
+    new = LoopCarry(r=carry.r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate,
+                    done=done_B, n_out=n_out_B, buf=buf, stats=stats)
+    return new, RoundOutput(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
 
 
 @jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode"))
@@ -338,13 +380,10 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
     carry = spec_start(model, drafter, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
                        max_new_tokens=M, spec=spec, greedy=rule == "greedy")
     carry = jax.lax.while_loop(
-        lambda c: ~jnp.all(c["done"]),
+        lambda c: ~jnp.all(c.done),
         lambda c: spec_round(model, drafter, c, params, key, eos_E, max_new_tokens=M, rule=rule, spec=spec,
                              mode=mode)[0],
         carry)
-    stats = carry["stats"]
-    if hasattr(drafter, "loop_stats"):  # a drafter's own per-row counters (TreeGraft)
-        stats = {**stats, **drafter.loop_stats(carry["dstate"])}
-    n_out_B = carry["n_out"]
-    buf = jnp.where(jnp.arange(M + D + 1)[None] < n_out_B[:, None], carry["buf"], 0)[:, :M]
-    return buf, n_out_B, stats
+    stats = {**carry.stats.as_dict(), **drafter.loop_stats(carry.dstate)}  # plus a drafter's own counters
+    buf = jnp.where(jnp.arange(M + D + 1)[None] < carry.n_out[:, None], carry.buf, 0)[:, :M]
+    return buf, carry.n_out, stats

@@ -1,7 +1,8 @@
 """FOLD (design §7): a training-free attention policy for drafters that read a long context.
 
 Switched on per drafter: `LMDrafter(model, fold=FoldConfig(...))`, `FeatureDrafter(head, target,
-fold=...)`, `load_drafter(spec, target, fold=...)`, or `python -m specjax generate ... --fold
+fold=...)`, `drafter.with_fold(cfg)` (same weights; `with_fold(drafter, cfg)` here), `load_drafter(spec,
+target, fold=...)`, or `python -m specjax generate ... --fold
 sinks=4,window=256,lambda=0.5` (`--fold default`). Nothing is retrained; only the drafter's
 attention changes, so greedy speculative output still equals the target's own.
 
@@ -30,11 +31,13 @@ relative distance above far_distance + chunk — except to the sinks, which keep
 positions as the design asks (they are attention sinks: their content, not their distance, is
 what a head reads).
 
-Un-rotated keys. FOLD must re-position keys, so a FOLD drafter caches keys BEFORE RoPE: `attach`
-sets a static attribute `fold` on the drafter's attention module (a parameter-sharing copy of the
-LM drafter's `Model`, or of the feature drafter's `FeatureHead`), and every forward over that
-module (`transformer.forward` / `prefill` / `decode_step`, `feature.step`) dispatches here: q and
-k are not rotated, K/V go to the same `KVCache` as before (same shapes), and attention is
+Un-rotated keys. FOLD must re-position keys, so a FOLD drafter caches keys BEFORE RoPE. FOLD is
+an attention object (`FoldAttention`, a `specjax.attention.Attention` with `rotates = True`) that
+the drafter passes to its forwards: `transformer.forward(..., attention=)` (the LM drafter;
+`prefill` here runs its prompt in chunks through it) and `feature.step(..., attention=)` (the
+feature drafter). The drafter keeps its `FoldConfig` as a static attribute (`drafter.fold`; the
+model and head are untouched and shared with the plain drafter). With it, q and k reach the
+attention un-rotated, K/V go to the same `KVCache` as before (same shapes), and attention is
 
     merge( far_attention(q, committed keys, per-key positions and segments, beta)   [the kernel]
            tree attention(q, scratch keys rotated at their positions, block mask) )  [lse merge]
@@ -61,12 +64,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from specjax import kvcache
+from specjax.attention import rope_inv_freq, rotate
 
 # Segment ids of the far-memory kernel (= pallas_kernels.reference.SEG_*).
 SEG_PAD, SEG_SINK, SEG_LOCAL, SEG_FAR = -1, 0, 1, 2
@@ -163,24 +168,13 @@ class FoldConfig:
                 f"beta={self.beta_rule},positions={'on' if self.fold_positions else 'off'},chunk={self.chunk}")
 
 
-# ----------------------------------------------------------------------------- attaching
+# ----------------------------------------------------------------------------- switching FOLD on
 
-def attach(module, cfg: FoldConfig | None):
-    """A parameter-sharing copy of `module` (the drafter's attention module) with FOLD set as the
-    static attribute `fold` (None: FOLD off; a module without FOLD is returned as is). The original is untouched, so a
-    plain drafter and a FOLD drafter can share one set of weights."""
-    if cfg is None and config_of(module) is None:
-        return module
+def check(cfg: FoldConfig | None) -> FoldConfig | None:
+    """`cfg` if it is a FoldConfig or None; ValueError otherwise."""
     if cfg is not None and not isinstance(cfg, FoldConfig):
         raise ValueError(f"fold must be a FoldConfig (or None), got {type(cfg).__name__}")
-    graphdef, state = nnx.split(module)
-    copy = nnx.merge(graphdef, state)  # same arrays, new Variables
-    copy.fold = cfg  # None: FOLD off (on a copy of a FOLD module)
-    return copy
-
-
-def config_of(module) -> FoldConfig | None:
-    return getattr(module, "fold", None)
+    return cfg
 
 
 def validate(cfg: FoldConfig | None, capacity: int) -> None:
@@ -195,18 +189,9 @@ def validate(cfg: FoldConfig | None, capacity: int) -> None:
 
 
 def with_fold(drafter, cfg: FoldConfig | None):
-    """The same drafter (same weights) with FOLD switched on (`cfg`) or off (None)."""
-    from specjax.drafters.feature import FeatureDrafter
-    from specjax.drafters.lm import LMDrafter
-
-    if isinstance(drafter, LMDrafter):
-        return LMDrafter(drafter.model, fold=cfg)
-    if isinstance(drafter, FeatureDrafter):
-        return FeatureDrafter(drafter.head, drafter.target, fold=cfg)
-    if cfg is None:
-        return drafter
-    raise ValueError(f"FOLD changes a drafter's attention; the {getattr(drafter, 'name', type(drafter).__name__)!r} "
-                     "drafter has none (use it with an lm or feature drafter)")
+    """The same drafter (same weights) with FOLD switched on (`cfg`) or off (None): `drafter.with_fold`
+    (ValueError for a drafter without attention)."""
+    return drafter.with_fold(cfg)
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -256,42 +241,88 @@ def scratch_positions(length_B, mask_BxTxS):
     return length_B.astype(jnp.int32)[:, None] + rank_BxS
 
 
-def _rope(x_BxTxHxD, pos_BxT, inv_freq):
-    from specjax.models.transformer import apply_rope
-    freqs = pos_BxT[..., None].astype(jnp.float32) * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return apply_rope(x_BxTxHxD, jnp.cos(emb), jnp.sin(emb))
+class _Plan(NamedTuple):
+    """What every layer of one forward shares (`FoldAttention.bind`)."""
+    impl: str
+    inv: jax.Array  # [D/2]
+    length: jax.Array  # [B]
+    q_pos: jax.Array  # [B, T]
+    mask: jax.Array  # [B, T, S]
+    seg: jax.Array  # [B, C]
+    k_pos: jax.Array  # [B, C]
+    beta: jax.Array  # [B]
+    slots: jax.Array  # [B, S] scratch cache slots
+    s_pos: jax.Array  # [B, S] their positions
+    bits: jax.Array | None  # packed mask (kernel impls)
+
+
+def _plan(length_B, capacity: int, q_pos_BxT, mask_BxTxS, cfg: FoldConfig, inv_freq) -> _Plan:
+    from pallas_kernels import ops
+
+    impl = resolve_impl(cfg)
+    S = mask_BxTxS.shape[2]
+    length_B = length_B.astype(jnp.int32)
+    seg, k_pos, n_far = committed_keys(length_B, capacity, q_pos_BxT, cfg)
+    slots = jnp.clip(length_B[:, None] + jnp.arange(S)[None], 0, capacity - 1)
+    return _Plan(impl, jnp.asarray(inv_freq, jnp.float32), length_B, q_pos_BxT, mask_BxTxS, seg, k_pos,
+                 beta(n_far, cfg), slots, scratch_positions(length_B, mask_BxTxS),
+                 None if impl == "reference" else ops.pack_mask(mask_BxTxS))
+
+
+def _fold_attend(plan: _Plan, q_BxTxHxD, k_BxCxKxD, v_BxCxKxD):
+    from pallas_kernels import ops
+
+    B = q_BxTxHxD.shape[0]
+    o_c, lse_c = ops.far_attention(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, plan.q_pos, plan.k_pos, plan.seg, plan.beta,
+                                   inv_freq=plan.inv, return_lse=True, impl=plan.impl)
+    k_s = jnp.take_along_axis(k_BxCxKxD, plan.slots[:, :, None, None], axis=1)
+    v_s = jnp.take_along_axis(v_BxCxKxD, plan.slots[:, :, None, None], axis=1)
+    q_rot = rotate(q_BxTxHxD, plan.q_pos, plan.inv)
+    k_s_rot = rotate(k_s, plan.s_pos, plan.inv)
+    if plan.impl == "reference":
+        o_s, lse_s = _scratch_attention(q_rot, k_s_rot, v_s, plan.mask)
+    else:
+        o_s, lse_s = ops.tree_attention(q_rot, k_s_rot, v_s, jnp.zeros((B,), jnp.int32), plan.bits,
+                                        return_lse=True, impl=plan.impl)
+    o, _ = ops.merge_attention(o_c, lse_c, o_s, lse_s)
+    if _RECORD is not None:
+        _RECORD.append(_attention_stats(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, plan.q_pos, plan.k_pos, plan.seg, plan.beta,
+                                        plan.inv, q_rot, k_s_rot, plan.mask))
+    return o.astype(q_BxTxHxD.dtype)
 
 
 def fold_attention(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, length_B, q_pos_BxT, mask_BxTxS, cfg: FoldConfig, inv_freq):
     """FOLD attention of a block of T queries (before RoPE) over one layer's cache of un-rotated
     keys: committed slots [0, length) by the FOLD policy through the far-memory kernel, scratch
     slots [length, length + S) under the block mask at their true positions; merged. [B, T, H, D]."""
-    from pallas_kernels import ops
+    plan = _plan(length_B, k_BxCxKxD.shape[1], q_pos_BxT, mask_BxTxS, cfg, inv_freq)
+    return _fold_attend(plan, q_BxTxHxD, k_BxCxKxD, v_BxCxKxD)
 
-    B, C, S = q_BxTxHxD.shape[0], k_BxCxKxD.shape[1], mask_BxTxS.shape[2]
-    impl = resolve_impl(cfg)
-    inv = jnp.asarray(inv_freq, jnp.float32)
-    seg, k_pos, n_far = committed_keys(length_B, C, q_pos_BxT, cfg)
-    beta_B = beta(n_far, cfg)
-    o_c, lse_c = ops.far_attention(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, q_pos_BxT, k_pos, seg, beta_B,
-                                   inv_freq=inv, return_lse=True, impl=impl)
-    slots = jnp.clip(length_B[:, None] + jnp.arange(S)[None], 0, C - 1)
-    k_s = jnp.take_along_axis(k_BxCxKxD, slots[:, :, None, None], axis=1)
-    v_s = jnp.take_along_axis(v_BxCxKxD, slots[:, :, None, None], axis=1)
-    s_pos = scratch_positions(length_B, mask_BxTxS)
-    q_rot = _rope(q_BxTxHxD, q_pos_BxT, inv)
-    k_s_rot = _rope(k_s, s_pos, inv)
-    if impl == "reference":
-        o_s, lse_s = _scratch_attention(q_rot, k_s_rot, v_s, mask_BxTxS)
-    else:
-        o_s, lse_s = ops.tree_attention(q_rot, k_s_rot, v_s, jnp.zeros((B,), jnp.int32), ops.pack_mask(mask_BxTxS),
-                                        return_lse=True, impl=impl)
-    o, _ = ops.merge_attention(o_c, lse_c, o_s, lse_s)
-    if _RECORD is not None:
-        _RECORD.append(_attention_stats(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, q_pos_BxT, k_pos, seg, beta_B, inv,
-                                        q_rot, k_s_rot, mask_BxTxS))
-    return o.astype(q_BxTxHxD.dtype)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FoldAttention:
+    """FOLD as a forward's attention (a `specjax.attention.Attention`): q and k reach it un-rotated
+    (`rotates`: the cache holds keys before RoPE), and every layer computes `fold_attention` over
+    its cache with the policy's segments, positions and beta computed once per forward (`bind`).
+
+    `inv_freq`: the RoPE inverse frequencies [D/2] of the attention it replaces (the LM drafter's
+    `transformer.rope_inv_freq(model.config)`, the target's for the feature drafter); `for_model`."""
+    cfg: FoldConfig
+    inv_freq: jax.Array
+    rotates: ClassVar[bool] = True
+
+    @classmethod
+    def for_model(cls, cfg: FoldConfig | None, model_config) -> "FoldAttention | None":
+        """FOLD attention with the RoPE of `model_config` (a `ModelConfig`); None for cfg None."""
+        return None if cfg is None else cls(cfg, rope_inv_freq(model_config))
+
+    def bind(self, cache: kvcache.KVCache, positions_BxT, block_mask_BxTxS):
+        plan = _plan(cache.length, cache.capacity, positions_BxT, block_mask_BxTxS, self.cfg, self.inv_freq)
+
+        def attention(q_BxTxHxD, cache: kvcache.KVCache, idx: int):
+            return _fold_attend(plan, q_BxTxHxD, cache.k[idx], cache.v[idx])
+
+        return attention
 
 
 def _scratch_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
@@ -314,48 +345,24 @@ def _scratch_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return o, lse.transpose(0, 3, 1, 2).reshape(B, T, H)
 
 
-# ----------------------------------------------------------------------------- forwards in FOLD mode
+# ----------------------------------------------------------------------------- the LM drafter's prefill
 
-def forward(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers=(), offset_B=None):
-    """`transformer.forward` for a model with `fold` set (it dispatches here): same contract, keys
-    cached before RoPE, FOLD attention."""
+def prefill(model, tokens_BxP, lengths_B, cache, hidden_layers=(), *, attention: FoldAttention):
+    """`transformer.prefill` under FOLD attention: the prompt in chunks of `attention.cfg.chunk`
+    tokens, each chunk a causal block (`transformer.forward(..., attention=)`) over the chunks before
+    it (committed). Same contract."""
     from specjax.models import transformer
 
-    cfg = model.config
-    fc = model.fold
-    inv = transformer.rope_inv_freq(cfg)
-    x = transformer.embed(model, tokens_BxT)
-
-    def attention(q_BxTxHxD, cache, idx):
-        return fold_attention(q_BxTxHxD, cache.k[idx], cache.v[idx], cache.length, positions_BxT,
-                              block_mask_BxTxS, fc, inv)
-
-    hidden = {}
-    for i, layer in enumerate(model.layers):
-        # cos = sin = None: forward_layer leaves q and k un-rotated (FOLD rotates them itself)
-        x, cache = transformer.forward_layer(layer, cfg, i, x, None, None, cache, None, offset_B, attention=attention)
-        if i in hidden_layers:
-            hidden[i] = x
-    h = transformer.rms_norm(model.norm, x)
-    return transformer.ForwardOutput(logits=transformer.lm_head(model, h), cache=cache,
-                                     hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=h)
-
-
-def prefill(model, tokens_BxP, lengths_B, cache, hidden_layers=()):
-    """`transformer.prefill` for a FOLD model: the prompt in chunks of `fold.chunk` tokens, each
-    chunk a causal block over the chunks before it (committed). Same contract."""
-    from specjax.models import transformer
-
-    fc = model.fold
     B, P = tokens_BxP.shape
-    c = fc.chunk
+    c = attention.cfg.chunk
     lengths_B = lengths_B.astype(jnp.int32)
 
     def run(cache, start, size):
         toks = jax.lax.dynamic_slice_in_dim(tokens_BxP, start, size, axis=1)
         pos = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None], (B, size))
         cache = kvcache.set_length(cache, jnp.full((B,), start, jnp.int32))
-        out = forward(model, toks, pos, cache, transformer.causal_mask(B, size, lengths_B - start), hidden_layers)
+        out = transformer.forward(model, toks, pos, cache, transformer.causal_mask(B, size, lengths_B - start),
+                                  hidden_layers, attention=attention)
         return out.cache, (out.last_hidden, out.hidden)
 
     n_full, rem = divmod(P, c)
@@ -375,19 +382,6 @@ def prefill(model, tokens_BxP, lengths_B, cache, hidden_layers=()):
     hidden = tuple(jnp.concatenate([p[i] for p in parts_hid], axis=1) for i in range(len(hidden_layers)))
     return transformer.ForwardOutput(logits=transformer.lm_head(model, h), cache=kvcache.set_length(cache, lengths_B),
                                      hidden=hidden, last_hidden=h)
-
-
-def feature_step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache, mask_BxTxS, offset_B=None):
-    """`feature.step` for a feature head with `fold` set (it dispatches here)."""
-    from specjax.drafters import feature
-    from specjax.models import transformer
-
-    q, k, v = feature.qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT, rope=False)
-    cache = kvcache.write(cache, 0, k, v, offset_B)
-    attn = fold_attention(q, cache.k[0], cache.v[0], cache.length, positions_BxT, mask_BxTxS, head.fold,
-                          transformer.rope_inv_freq(target.config))
-    x, logits = feature.finish(head, target, x_BxTxE, attn)
-    return x, logits, cache
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -423,8 +417,8 @@ def _attention_stats(q, k, v, q_pos, k_pos, seg, beta_B, inv, q_rot, k_s_rot, ma
     lse = jnp.logaddexp(lse_c, lse_s)  # [B, T, H]
     lse_BxKxGxT = lse.reshape(B, T, K, G).transpose(0, 2, 3, 1)[..., None]
     # committed keys: sharpened logits, as the reference computes them
-    qr = _rope(q, q_pos, inv).reshape(B, T, K, G, D)
-    kr = _rope(k, k_pos, inv)
+    qr = rotate(q, q_pos, inv).reshape(B, T, K, G, D)
+    kr = rotate(k, k_pos, inv)
     s_c = jnp.einsum("btkgd,bnkd->bkgtn", qr, kr, preferred_element_type=jnp.float32) / math.sqrt(D)
     far = seg == SEG_FAR
     s_c = jnp.where(far[:, None, None, None, :], s_c * beta_B[:, None, None, None, None], s_c)
@@ -461,8 +455,7 @@ def attention_diagnostics(target, drafter, prompts, *, seed: int = 0) -> dict:
     from specjax.models import family
     from specjax.sampling import SamplingParams
 
-    module = drafter.model if hasattr(drafter, "model") else getattr(drafter, "head", None)
-    if config_of(module) is None:
+    if not drafter.attends or drafter.fold is None:
         raise ValueError("attention_diagnostics needs a drafter with FOLD on (see its docstring for the plain one)")
     spec = tree_lib.chain(1)
     batch = engine.prepare_prompts(prompts, target.config.vocab_size, 1, slack=spec.num_nodes + 3)

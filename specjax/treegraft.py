@@ -4,7 +4,8 @@ does not know it is there.
 
 Per round (`TreeGraft.propose`, inside the jitted loop):
   1. the cheap drafter builds a candidate tree of M nodes, larger than the verify budget N (its own
-     spec: `cheap_tree`, by default a dynamic tree of about 2N nodes; an n-gram chain for n-gram);
+     spec: `cheap_tree`, by default a dynamic tree of about 2N nodes; for n-gram a trie of its
+     best matches, of more nodes than N);
   2. the scheduler decides per row whether to invoke the strong drafter: policy "scheduler" (the
      MLP of `specjax.scheduler` over features of the cheap tree), "always" or "never". The policy
      and the calibration offset are traced values (`Setting` variables), so all policies share
@@ -42,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import scheduler as sched_lib, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal, SourceScores
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, SourceScores
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers
 
@@ -50,6 +51,7 @@ POLICIES = ("never", "always", "scheduler")
 CHEAP, STRONG = 0, 1  # TreeBuffers.source of cheap and grafted nodes
 LOSSLESS_RULES = ("greedy", "deterministic")
 COUNTERS = ("invoked", "grafted_proposed", "grafted_paths", "grafted_tokens")
+NGRAM_MATCHES = 4  # the fewest matches in a matches drafter's default cheap trie (`TreeGraft.plan`)
 
 
 class Setting(nnx.Variable):
@@ -184,11 +186,11 @@ def grafted_on_path(info: RoundInfo, committed: Committed):
 
 # ----------------------------------------------------------------------------- the composite drafter
 
-class TreeGraft(nnx.Module):
+class TreeGraft(Drafter):
     """A cheap and a strong drafter (cheapest first) drafting one tree; see the module docstring.
 
     cheap_tree: the cheap drafter's candidate tree spec (default: a dynamic tree of ~2N nodes at
-      the verify depth; a chain at the verify depth for n-gram);
+      the verify depth; for n-gram, a trie of max(4, ceil(N/D)) matches at the verify depth);
     graft_nodes: grafted candidates per round, at most N-1 (default: min(N-1, M*graft_topk));
     graft_topk: the strong drafter's top tokens considered at each node;
     calibration: per-token log-prob offset added to cheap-only paths' scores (fit offline);
@@ -199,7 +201,7 @@ class TreeGraft(nnx.Module):
     def __init__(self, cheap, strong, *, scheduler: sched_lib.Scheduler | None = None, policy: str = "always",
                  calibration: float = 0.0, cheap_tree=None, graft_nodes: int | None = None, graft_topk: int = 2,
                  tau_decay: float = 0.7):
-        if not callable(getattr(strong, "score", None)):
+        if not strong.can_score:
             raise ValueError(f"the {strong.name!r} drafter cannot score another drafter's tree; it may only be "
                              "TreeGraft's cheap drafter (the first one)")
         if isinstance(cheap, TreeGraft) or isinstance(strong, TreeGraft):
@@ -256,9 +258,19 @@ class TreeGraft(nnx.Module):
         Raises ValueError where they do not fit together."""
         N, D = spec.num_nodes, spec.max_depth
         cspec = self.cheap_tree
+        matches = self.cheap.drafts_matches
         if cspec is None:
-            if self.cheap.name == "ngram":
-                cspec = tree_lib.chain(D)
+            if matches:
+                # A trie of the best matches, not the best match's chain alone: candidates the
+                # strong drafter's scores choose among (a chain gives it one path to confirm or
+                # cut). k chains under the root bound a trie of k matches (`ngram.branches_of`: the
+                # root's branching), k*D+1 nodes with no merging: enough matches that the trie can
+                # fill the verify budget and more (at least 4, as the dynamic default's topk), no
+                # node slot beyond what k matches can fill (the strong drafter scores every slot).
+                # A path list, not a dynamic spec: nothing is expanded by q, so `check_tree` must
+                # not count a dynamic spec's expansion pool as scratch.
+                k = max(NGRAM_MATCHES, -(-N // D))
+                cspec = tree_lib.StaticTree(tuple((i,) + (0,) * j for i in range(k) for j in range(D)))
             else:
                 k = spec.topk if isinstance(spec, tree_lib.DynamicTree) else 4
                 while 1 + k + (D - 1) * k * k < N + 2:
@@ -269,7 +281,9 @@ class TreeGraft(nnx.Module):
         if cspec.max_depth > D:
             raise ValueError(f"TreeGraft's cheap tree reaches depth {cspec.max_depth} but the verify tree only "
                              f"{D}: use a cheap tree no deeper than the verify tree")
-        if self.cheap.name != "ngram" and M <= N:
+        # a matches drafter's candidates cost nothing and are few where the text does not repeat:
+        # any cheap tree will do (the strong drafter's grafts fill the verify budget)
+        if not matches and M <= N:
             raise ValueError(f"TreeGraft's cheap tree ({M} nodes) must be larger than the verify budget ({N} nodes): "
                              "the strong drafter's scores choose among more candidates than are verified")
         k = self.graft_topk
@@ -299,8 +313,7 @@ class TreeGraft(nnx.Module):
     def validate(self, capacity: int) -> None:
         """Engine hook: each drafter's own checks against the cache capacity (e.g. FOLD's window)."""
         for d in (self.cheap, self.strong):
-            if hasattr(d, "validate"):
-                d.validate(capacity)
+            d.validate(capacity)
 
     # -- the protocol (traced)
 
@@ -442,7 +455,7 @@ class RoundStepper:
         longest = max(len(p) for p in prompts)
         return engine.PROMPT_BUCKET * -(-longest // engine.PROMPT_BUCKET) + self.max_new_tokens + self.slack
 
-    def start(self, prompts):
+    def start(self, prompts) -> "engine.LoopCarry":
         from specjax import engine
         slack = self.slack
         batch = engine.prepare_prompts(prompts, self.model.config.vocab_size, self.max_new_tokens, self.capacity,
@@ -460,11 +473,11 @@ class RoundStepper:
 
     @staticmethod
     def done(carry) -> bool:
-        return bool(np.all(np.asarray(carry["done"])))
+        return bool(np.all(np.asarray(carry.done)))
 
     @staticmethod
     def outputs(carry) -> list[list[int]]:
-        buf, n = np.asarray(carry["buf"]), np.asarray(carry["n_out"])
+        buf, n = np.asarray(carry.buf), np.asarray(carry.n_out)
         return [buf[b, :n[b]].tolist() for b in range(len(n))]
 
 
@@ -472,9 +485,8 @@ class RoundStepper:
 def _start(graphdef, state, prompt_BxP, lengths_B, params, key, eos_E, *, capacity, max_new_tokens, spec, greedy):
     from specjax import engine
     model, tg = nnx.merge(graphdef, state)
-    carry = engine.spec_start(model, tg, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
-                              max_new_tokens=max_new_tokens, spec=spec, greedy=greedy)
-    return {k: v for k, v in carry.items() if k != "stats"}
+    return engine.spec_start(model, tg, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
+                             max_new_tokens=max_new_tokens, spec=spec, greedy=greedy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "rule", "spec"))
@@ -482,14 +494,11 @@ def _round(graphdef, state, carry, params, key, eos_E, *, max_new_tokens, rule, 
     """The engine's round (`engine.spec_round`) plus TreeGraft's per-round record."""
     from specjax import engine
     model, tg = nnx.merge(graphdef, state)
-    B, D = carry["root"].shape[0], spec.max_depth
-    stats = dict(rounds=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
-                 accepted_at_depth=jnp.zeros((B, D), jnp.int32))  # the engine's counters; unused here
-    new, rnd = engine.spec_round(model, tg, {**carry, "stats": stats}, params, key, eos_E,
-                                 max_new_tokens=max_new_tokens, rule=rule, spec=spec, mode="topk")
-    info, active, vd = rnd["proposal"].state.pending, rnd["active"], rnd["verdict"]
-    through, n_graft_tok = grafted_on_path(info, rnd["committed"])
-    out = dict(accepted=vd.num_accepted, emitted=rnd["emitted"], active=active, invoked=info.invoked & active,
+    new, rnd = engine.spec_round(model, tg, carry, params, key, eos_E, max_new_tokens=max_new_tokens, rule=rule,
+                                 spec=spec, mode="topk")
+    info, active, vd = rnd.proposal.state.pending, rnd.active, rnd.verdict
+    through, n_graft_tok = grafted_on_path(info, rnd.committed)
+    out = dict(accepted=vd.num_accepted, emitted=rnd.emitted, active=active, invoked=info.invoked & active,
                features=info.features, grafted_path=through & active, grafted_tokens=n_graft_tok,
                n_grafted=info.n_grafted, calib_sum=info.calib_sum, calib_n=info.calib_n)
-    return {k: v for k, v in new.items() if k != "stats"}, out
+    return new, out

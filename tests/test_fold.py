@@ -98,11 +98,19 @@ def test_no_far_keys_equals_plain_drafter(target, lm_drafter, feature_drafter, k
         assert (np.asarray(tok_f) == np.asarray(tok_p)).all()
 
 
-def test_fold_attach_shares_weights_and_leaves_original_plain(lm_drafter):
+def test_with_fold_shares_weights_and_leaves_original_plain(lm_drafter, feature_drafter):
     folded = LMDrafter(lm_drafter.model, fold=FAR)
     assert lm_drafter.fold is None and folded.fold == FAR
     assert folded.model.embed_tokens[...] is lm_drafter.model.embed_tokens[...]
     assert fold.with_fold(folded, None).fold is None
+    # FOLD is the drafter's attention argument, not an attribute of the shared model / head
+    assert folded.model is lm_drafter.model and not hasattr(folded.model, "fold")
+    assert lm_drafter.attention is None and isinstance(folded.attention, fold.FoldAttention)
+    f_folded = feature_drafter.with_fold(FAR)
+    assert f_folded.fold == FAR and feature_drafter.fold is None and f_folded.head is feature_drafter.head
+    assert f_folded.with_fold(None).fold is None and lm_drafter.attends and f_folded.attends
+    with pytest.raises(ValueError, match="must be a FoldConfig"):
+        lm_drafter.with_fold("sinks=1")
 
 
 # ----------------------------------------------------------------------------- the definition
@@ -187,8 +195,8 @@ def test_committed_keys_and_beta():
 
 def test_feature_step_is_wired_to_fold_attention(target):
     """The feature drafter's FOLD step = its projections, the reference attention, its MLP/head."""
-    head = fold.attach(FeatureHead(FeatureConfig.for_target(target.config, target_layers=(0, 1)), nnx.Rngs(4)),
-                       FoldConfig(sinks=1, window=5, chunk=4, sharpen=1.0))
+    head = FeatureHead(FeatureConfig.for_target(target.config, target_layers=(0, 1)), nnx.Rngs(4))
+    attention = fold.FoldAttention.for_model(FoldConfig(sinks=1, window=5, chunk=4, sharpen=1.0), target.config)
     B, C, E = 2, 40, target.config.hidden_size
     length = jnp.array([25, 31])
     cache = kvcache.set_length(kvcache.init(1, B, C, 2, 16), length)
@@ -199,13 +207,13 @@ def test_feature_step_is_wired_to_fold_attention(target):
     mask = jnp.broadcast_to(jnp.array([[True, True, False], [True, False, True]]), (B, 2, 3))  # depth 1 of a tree
     pos = jnp.broadcast_to(length[:, None] + 1, (B, 2))
     graphdef, state = nnx.split((head, target))
-    step = jax.jit(lambda state, *a: feature_lib.step(*nnx.merge(graphdef, state), *a))
+    step = jax.jit(lambda state, *a: feature_lib.step(*nnx.merge(graphdef, state), *a, attention=attention))
     _, logits, new_cache = step(state, tokens, x, pos, cache, mask, jnp.full((B,), 1, jnp.int32))
     q, k, v = feature_lib.qkv(head, target, tokens, x, pos, rope=False)
     written = kvcache.write(cache, 0, k, v, jnp.full((B,), 1, jnp.int32))
     np.testing.assert_array_equal(np.asarray(new_cache.k), np.asarray(written.k))  # keys cached un-rotated
     want, _ = _expected_per_query(q, written.k[0], written.v[0], length, pos, mask, length[:, None] + jnp.array([[0, 1, 1]]),
-                                  head.fold, transformer.rope_inv_freq(target.config))
+                                  attention.cfg, transformer.rope_inv_freq(target.config))
     _, want_logits = feature_lib.finish(head, target, x, want)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-4)
 

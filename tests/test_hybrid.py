@@ -452,6 +452,96 @@ def test_feature_drafter_greedy_exact(target):
     _check_exact(target, FeatureDrafter(head, target), TREES[0], 4)
 
 
+def test_hybrid_lm_drafter(target):
+    """A small hybrid drafts too (`LMDrafter` runs any family): expanding its tree depth by depth,
+    each scratch node one recurrent step from its parent's stored state, gives the same q as its
+    one-pass tree form (`score`), and the output stays exact."""
+    drafter = LMDrafter(_random_model(hybrid.HybridModel, TARGET, 11, out_scale=OUT_SCALE))
+    drafter.model.embed_tokens.set_value(target.embed_tokens.get_value())
+    drafter.model.lm_head.weight.set_value(target.lm_head.weight.get_value())
+    spec = tree_lib.parse_tree_spec(TREES[1])
+    toks, lens = _pad(_prompts(2), 32)
+    graphdef, state = nnx.split(drafter)
+
+    @jax.jit
+    def q_both(state, toks, lens):
+        d = nnx.merge(graphdef, state)
+        cache = d.init(toks, lens, 64, None)
+        ctx = engine.DraftContext(spec, "sample", specjax.sampling.SamplingParams.make(1.0, 0, 1.0), jax.random.key(0))
+        prop = d.propose(cache, toks[:, 0], ctx)
+        inner = (prop.tree.depth < spec.max_depth)[..., None]  # the nodes drafting evaluated (not the leaves)
+        return (jnp.where(inner, jnp.log(prop.probs), 0.0), jnp.where(inner, d.score(cache, prop.tree, spec.max_depth), 0.0),
+                prop.state.length, cache.length)
+
+    drafted, scored, length_after, length_before = q_both(state, toks, lens)
+    np.testing.assert_allclose(np.asarray(drafted), np.asarray(scored), atol=2e-4)
+    np.testing.assert_array_equal(length_after, length_before)  # propose commits nothing
+    got = _check_exact(target, drafter, TREES[0], 4)
+    assert got.stats["accepted"].sum() > 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+    at_prefill: jax.Array  # [B] a value computed from the target's committed recurrent state at init
+    at_first: jax.Array  # [B] the same after the first round's commit
+    first_count: jax.Array  # [B] tokens the first round committed
+    seed: jax.Array  # [B] what the next draft is made from
+
+
+class _EchoStateDrafter(specjax.drafters.Drafter):
+    """A toy drafter that reads `Committed.target` (the hybrid target's committed recurrent state)
+    and drafts tokens made from it; `loop_stats` echoes what it read."""
+    name = "echo-state"
+    reads_target_state = True
+
+    def __init__(self, vocab):
+        self.vocab_size = vocab
+
+    @staticmethod
+    def value(cache):  # one number per row from the delta-rule state of every DeltaNet layer
+        return jnp.sum(jnp.abs(cache.state), axis=(0, 2, 3, 4))
+
+    def init(self, prompt_BxP, lengths_B, capacity, target_out):
+        v = self.value(target_out.cache)
+        return _Echo(at_prefill=v, at_first=jnp.zeros_like(v), first_count=jnp.zeros_like(lengths_B), seed=v)
+
+    def propose(self, st, root_B, ctx):
+        D = ctx.spec.max_depth
+        draft = (jnp.floor(st.seed * 1000).astype(jnp.int32)[:, None] + jnp.arange(D)[None]) % self.vocab_size
+        return specjax.drafters.Proposal(tree=tree_lib.chain_tree(root_B, draft), probs=None, state=st)
+
+    def commit(self, st, committed):
+        v = self.value(committed.target)
+        first = st.first_count == 0
+        return _Echo(at_prefill=st.at_prefill, at_first=jnp.where(first, v, st.at_first),
+                     first_count=jnp.where(first, committed.count, st.first_count), seed=v)
+
+    def loop_stats(self, st):
+        return {"echo_prefill": st.at_prefill, "echo_first": st.at_first, "echo_first_count": st.first_count}
+
+
+def test_drafter_reads_committed_target_state(target):
+    """`Committed.target` carries the hybrid target's committed state after each round (and the
+    prefill's at init): a toy drafter echoes a value computed from it, the value matches the state
+    of a fresh prefill over the same committed tokens, and the output stays exact."""
+    prompts = _prompts(4, seed=4)
+    got = _check_exact(target, _EchoStateDrafter(VOCAB), "chain=3", 4)
+    rows = [(p, "echo_prefill", b) for b, p in enumerate(prompts)]
+    rows += [(p + got.sequences()[b][:int(got.stats["echo_first_count"][b])], "echo_first", b)
+             for b, p in enumerate(prompts)]
+    toks, lens = _pad([ids for ids, _, _ in rows], 64)  # one batch, one compile
+
+    @nnx.jit
+    def values(model, toks, lens):
+        cache = hybrid.prefill(model, toks, lens, hybrid.init_cache(model, toks.shape[0], toks.shape[1])).cache
+        return _EchoStateDrafter.value(cache)
+
+    expect = np.asarray(values(target, toks, lens))
+    for (_, key, b), want in zip(rows, expect):
+        np.testing.assert_allclose(got.stats[key][b], want, rtol=1e-4)
+
+
 def test_state_budget_refuses_big_trees(target, lm_drafter):
     before = engine.trace_count()
     per_node = hybrid.node_state_bytes(TARGET)

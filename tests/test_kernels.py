@@ -24,6 +24,15 @@ SWEEP = settings(max_examples=20, deadline=None, derandomize=True, database=None
 RTOL, ATOL = 1e-5, 2e-6
 TRITON = "__gpu$xla.gpu.triton"
 
+def test_pallas_kernels_import_nothing_from_specjax():
+    """pallas_kernels is self-contained: specjax depends on it, never the other way round."""
+    import subprocess
+    import sys
+    code = ("import pallas_kernels, pallas_kernels.ops, pallas_kernels.reference, sys; "
+            "bad = sorted(m for m in sys.modules if m.startswith('specjax')); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # ----------------------------------------------------------------------------- tree attention
 
 # (B, T tree nodes, S scratch slots >= T, H, K, D, capacity C, block_k, num_splits). Capacities are
@@ -393,6 +402,8 @@ def test_set_attention_impl():
     with pytest.raises(ValueError, match="unknown attention impl"):
         ops.tree_attention(None, None, None, None, None, impl="cuda")
     assert transformer.set_attention_impl(model, "interpret") is model
+    from specjax import attention
+    assert transformer.model_attention(model) == attention.KernelAttention("interpret")  # one mechanism
     jaxpr = str(jax.make_jaxpr(lambda t: transformer.prefill(model, t, jnp.array([3]),
                                                              transformer.init_cache(model, 1, 8)).logits)(
         jnp.zeros((1, 3), jnp.int32)))

@@ -403,7 +403,8 @@ def test_bad_input_is_refused_before_tracing(target, strong, cheap_lm, tmp_path)
     with pytest.raises(ValueError, match="graft budget 20 does not fit the verify tree"):
         gen(TreeGraft(cheap_lm, strong, graft_nodes=20))
     with pytest.raises(ValueError, match="graft budget 30 does not fit"):
-        gen(TreeGraft(NgramDrafter(), strong, graft_nodes=30), tree="depth=3,topk=8,nodes=40")
+        # an explicit n-gram chain: the default n-gram trie (43 nodes here) offers enough candidates
+        gen(TreeGraft(NgramDrafter(), strong, graft_nodes=30, cheap_tree="chain=3"), tree="depth=3,topk=8,nodes=40")
     with pytest.raises(ValueError, match="larger than the verify budget"):
         gen(TreeGraft(cheap_lm, strong, cheap_tree="depth=3,topk=3,nodes=6"))
     with pytest.raises(ValueError, match="no deeper than the verify tree"):

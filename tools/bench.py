@@ -200,11 +200,24 @@ def zoo_setup(args):
     return target, drafters, prompts
 
 
+def cpu_model() -> str:
+    """The CPU's model name (benches record it: the same bench differs across machines)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def write_outputs(rows, meta, out: Path):
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# Speculative decoding benchmark ({meta['setup']})", "",
              f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
-             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
+             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']} "
+             f"({meta.get('cpu', 'CPU model not recorded')}); "
              f"load average before the run {meta['load_avg']}.", "",
              f"Command: `{meta['command']}`", "",
              f"| method | tokens/s | speedup vs our AR | vs {meta.get('hf_peer') or 'transformers (not run)'} | tau | "
@@ -308,7 +321,7 @@ def main(argv=None):
     meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
             "kind": "random" if args.smoke else args.kind, "n_prompts": len(flat), "new_tokens": args.new_tokens,
             "batch": args.batch, "repeats": args.repeats, "device": jax.devices()[0].device_kind,
-            "platform": platform.platform(), "load_avg": os.getloadavg()[0],
+            "platform": platform.platform(), "cpu": cpu_model(), "load_avg": os.getloadavg()[0],
             "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hf_peer": meta_hf}
     write_outputs(rows, meta, Path(args.out))

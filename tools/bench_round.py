@@ -2,13 +2,21 @@
 
 1. The target's forward over a block of T tokens on top of a cached prompt (T = 1 is one
    autoregressive step; T = tree nodes + 1 is a verification): ms and the ratio to T = 1.
-2. For each drafter and tree: ms per round of the whole jitted loop (wall / rounds), split into
+2. For each drafter and tree: ms per round of the whole jitted loop (decode phase: the wall time
+   of a generation minus that of its prefill alone, over the rounds), split into
    the verification forward (from 1) and the rest (drafting, drafter commit, verification rule,
    cache commit, bookkeeping); the break-even τ (ms per round / ms per autoregressive token), the
    measured τ, and the speedup it implies (τ × AR ms/token / ms per round).
+3. Per-stage split of one round (`--split`, each stage jitted alone on the state after a real
+   prefill and first round of the first prompt): draft (`propose`), of which the drafter's forwards
+   (depth × one step: a `chain=2` minus a `chain=1` proposal, so the per-call dispatch cancels); the target's verification forward (ancestor mask
+   included); the verification walk; the target's cache commit; the drafter's commit; and one
+   whole round jitted as in the loop. "bookkeeping" = whole round − target forward − the drafter's
+   own forwards (depth × one step, plus its commit): what is neither model's forward.
 
     python tools/bench_round.py                 # zoo models (random weights of the zoo's shapes if absent)
     python tools/bench_round.py --smoke         # tiny random models (what the test runs)
+    python tools/bench_round.py --split-only    # only the per-stage split (3), lm chain=4 by default
 
 Medians over repeats after a warm-up call; float32. Writes bench/<out>.md and .json.
 """
@@ -33,6 +41,7 @@ import specjax  # noqa: E402
 from specjax.drafters import FeatureDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
 from specjax.drafters.feature import FeatureConfig, FeatureHead  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
+from tools.bench import cpu_model  # noqa: E402
 
 DEFAULT_TREES = {"ngram": ["chain=5"], "lm": ["chain=4", "depth=5,topk=4,nodes=16"],
                  "feature": ["chain=3", "chain=5", "depth=5,topk=4,nodes=16"]}
@@ -103,6 +112,137 @@ def load_models(args):
         "random weights of the zoo's shapes (no trained zoo here): costs only, tau meaningless"
 
 
+def _carry_get(carry, name):  # the loop carry: a LoopCarry (engine v2) or a dict (before it)
+    return carry[name] if isinstance(carry, dict) else getattr(carry, name)
+
+
+def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int = 16) -> dict[str, float]:
+    """ms per round of each stage of a greedy round, measured IN a loop (see the module docstring, 3):
+    each stage runs `loops` times in one jitted `fori_loop` that carries its state, as the
+    generation loop does (buffers updated in place, weights hot in cache), after a prefill and
+    one real round of `prompt`. A stage timed alone as its own jitted call is not comparable: it
+    pays a dispatch and copies its non-donated buffers, and on this CPU an autoregressive step
+    timed alone costs far more than one in the loop."""
+    from specjax import engine, kvcache, tree as tree_lib, verify as verify_lib
+    from specjax.drafters.base import Committed, DraftContext
+    from specjax.sampling import SamplingParams
+
+    spec = tree_lib.parse_tree_spec(spec_str)
+    D, M, R = spec.max_depth, 64, loops
+    V = target.config.vocab_size
+    scratch = drafter.check_tree(spec, "greedy") if hasattr(drafter, "check_tree") else 0
+    slack = max(spec.num_nodes, getattr(spec, "pool_size", spec.num_nodes), scratch) + D + 2
+    # Room for R commits of D + 1 tokens on top of the prompt (the commit loops advance the caches).
+    batch = engine.prepare_prompts([prompt], V, M + R * (D + 1), None, slack=slack)
+    graphdef, state = nnx.split((target, drafter))
+    params, key = SamplingParams.make(0.0, 0, 1.0), jax.random.key(0)
+    eos = jnp.zeros((0,), jnp.int32)
+    fam = family(target)
+    layers = tuple(drafter.target_layers)
+    ctx = lambda sp: DraftContext(sp, "topk", params, key)  # noqa: E731
+
+    def committed_of(carry, vd, tout, cache):
+        root = _carry_get(carry, "root")
+        feats = None
+        if layers:
+            feats = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
+        kw = dict(target=cache) if "target" in Committed.__dataclass_fields__ else {}
+        return Committed(tokens=jnp.concatenate([root[:, None], vd.tokens], 1), count=vd.num_accepted + 1,
+                         positions=_carry_get(carry, "cache").length[:, None] + jnp.arange(D + 1)[None],
+                         features=feats, **kw)
+
+    @jax.jit
+    def start(state, toks, lens):
+        m, d = nnx.merge(graphdef, state)
+        c = engine.spec_start(m, d, toks, lens, params, key, eos, capacity=batch.capacity, max_new_tokens=M,
+                              spec=spec, greedy=True)
+        return engine.spec_round(m, d, c, params, key, eos, max_new_tokens=M, rule="greedy", spec=spec,
+                                 mode="topk")[0]
+
+    carry = start(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
+
+    def looped(body):
+        """A jitted R-iteration loop of `body(state, x, i) -> x` (x: the stage's carried state)."""
+        @jax.jit
+        def run(state, x):
+            return jax.lax.fori_loop(0, R, lambda i, x: body(state, x, i), x)
+        return run
+
+    def touch(x, i):  # a loop-variant zero, so XLA cannot hoist a stage out of its loop
+        return x + (i * 0).astype(x.dtype)
+
+    def round_body(state, c, i):
+        m, d = nnx.merge(graphdef, state)
+        new = engine.spec_round(m, d, c, params, key, eos, max_new_tokens=M + R * (D + 1), rule="greedy",
+                                spec=spec, mode="topk")[0]
+        return new
+
+    def propose_body(sp):
+        def body(state, x, i):
+            _, d = nnx.merge(graphdef, state)
+            dstate, acc = x
+            prop = d.propose(dstate, _carry_get(carry, "root"), ctx(sp))
+            return prop.state, acc + jnp.sum(prop.tree.tokens)
+        return body
+
+    m0, d0 = nnx.merge(graphdef, state)
+    prop = d0.propose(_carry_get(carry, "dstate"), _carry_get(carry, "root"), ctx(spec))
+    tree = prop.tree
+    cache0 = _carry_get(carry, "cache")
+
+    def forward_body(state, x, i):
+        m, _ = nnx.merge(graphdef, state)
+        cache, acc = x
+        out = fam.forward(m, touch(tree.tokens, i), tree_lib.positions(tree, cache.length), cache,
+                          tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+        return fam.release(out.cache) if hasattr(fam, "release") else out.cache, acc + out.logits[0, 0, 0]
+
+    tout = fam.forward(m0, tree.tokens, tree_lib.positions(tree, cache0.length), cache0,
+                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+    vd = verify_lib.verify(tree, tout.logits, key, rule="greedy", max_depth=D, params=params)
+
+    def walk_body(state, acc, i):
+        v = verify_lib.verify(tree, tout.logits + acc * 0, key, rule="greedy", max_depth=D, params=params)
+        return acc + v.num_accepted.sum().astype(jnp.float32)
+
+    committed = committed_of(carry, vd, tout, fam.commit(tout.cache, vd.path, vd.num_accepted + 1))
+
+    def dcommit_body(state, dstate, i):
+        _, d = nnx.merge(graphdef, state)
+        return d.commit(dstate, committed)
+
+    reps = max(repeats * 5, 5)
+    per = lambda fn, *a: median_ms(lambda: fn(*a), reps) / R  # noqa: E731
+    zero = jnp.float32(0)
+    ms = {"whole round": per(looped(round_body), state, carry),
+          "draft (propose)": per(looped(propose_body(spec)), state, (prop.state, jnp.int32(0))),
+          "chain=1 proposal": per(looped(propose_body(tree_lib.chain(1))), state, (prop.state, jnp.int32(0))),
+          "chain=2 proposal": per(looped(propose_body(tree_lib.chain(2))), state, (prop.state, jnp.int32(0))),
+          "target forward (verification)": per(looped(forward_body), state, (cache0, zero)),
+          "verification walk": per(looped(walk_body), state, zero),
+          "drafter commit": per(looped(dcommit_body), state, prop.state)}
+    # one drafter step: the marginal cost of one more depth
+    ms["one drafter step"] = max(ms["chain=2 proposal"] - ms["chain=1 proposal"], 0.0)
+    ms["draft forwards (depth x one step)"] = D * ms["one drafter step"]
+    ms["rest (target commit, emission, loop)"] = (ms["whole round"] - ms["draft (propose)"]
+                                                 - ms["target forward (verification)"] - ms["verification walk"]
+                                                 - ms["drafter commit"])
+    ms["bookkeeping"] = (ms["whole round"] - ms["target forward (verification)"]
+                         - ms["draft forwards (depth x one step)"] - ms["drafter commit"])
+    return ms
+
+
+def split_table(rows: list[dict]) -> list[str]:
+    keys = list(rows[0]["ms"])
+    lines = ["| stage (ms) | " + " | ".join(f"{r['drafter']} `{r['tree']}`" for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(f"{r['ms'][k]:.2f}" for r in rows) + " |")
+    lines.append("| bookkeeping / target forward | " + " | ".join(
+        f"{r['ms']['bookkeeping'] / r['ms']['target forward (verification)']:.2f}" for r in rows) + " |")
+    return lines
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
@@ -114,6 +254,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--split", default="lm:chain=4,ngram:chain=5,feature:chain=5",
+                    help="drafter:tree pairs of the per-stage split ('' for none)")
+    ap.add_argument("--split-only", action="store_true", help="only the per-stage split")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.feature is None:  # a feature drafter reads its own target's features: never another target's
@@ -122,24 +265,53 @@ def main(argv=None) -> dict:
         args.new_tokens, args.repeats, args.context = 12, 1, 40
     out = Path(args.out or REPO / ("bench/bench_round_smoke" if args.smoke else "bench/bench_round"))
     target, drafters, prompts, what = load_models(args)
+    split = []
+    for item in filter(None, ("lm:chain=4" if args.smoke else args.split).split(",")):
+        name, _, spec = item.partition(":")
+        if name in drafters:
+            split.append({"drafter": name, "tree": spec, "ms": stage_split(target, drafters[name], prompts[0], spec,
+                                                                            args.repeats)})
+    split_lines = [] if not split else [
+        "## One round, stage by stage", "",
+        "Each stage runs 16 times in one jitted `fori_loop` carrying its state (as in the generation loop), "
+        f"after a prefill and one real round of the first prompt; ms per iteration, medians of "
+        f"{max(args.repeats * 5, 5)} calls. Bookkeeping = whole round − target forward − the drafter's own "
+        "forwards (depth × one step, and its commit).", ""] + split_table(split) + [""]
+    if args.split_only:
+        lines = [f"# One round, stage by stage ({what})", "", f"CPU: {cpu_model()}", ""] + split_lines[2:] + [
+            f"Command: `{' '.join(sys.argv)}`"]
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        out.with_suffix(".json").write_text(json.dumps({"what": what, "split": split, "cpu": cpu_model(),
+                                                        "command": " ".join(sys.argv)}, indent=2) + "\n")
+        print("\n".join(lines))
+        return {"split": split}
     # --smoke: one chain per drafter, so the few compiles stay cheap.
     trees = {name: ["chain=4"] if args.smoke else DEFAULT_TREES[name] for name in drafters}
     blocks = sorted(({1} if args.smoke else {1, 2, 4, 8, 16}) | {tree_nodes(t) for ts in trees.values() for t in ts})
     fwd = forward_costs(target, args.context, blocks, max(args.repeats * 3, 3))
 
     kw = dict(max_new_tokens=args.new_tokens, eos_token_id=())
+    kw1 = dict(max_new_tokens=1, eos_token_id=())  # prefill + the first token: no decode step, no round
+
+    def decode_ms(p, **extra):
+        """ms of the decode phase: the whole generation minus its prefill (measured alone)."""
+        whole = median_ms(lambda: specjax.generate(target, [p], **extra, **kw).tokens, args.repeats)
+        if args.smoke:  # tiny models measure nothing real: spare the test the prefill programs' compiles
+            return whole
+        prefill = median_ms(lambda: specjax.generate(target, [p], **extra, **kw1).tokens, args.repeats)
+        return whole - prefill
+
     rows = []
     ar_ms = []
     for p in prompts:  # one prompt at a time: batch 1, the latency case
-        ar_ms.append(median_ms(lambda p=p: specjax.generate(target, [p], **kw).tokens, args.repeats) / args.new_tokens)
+        ar_ms.append(decode_ms(p) / (args.new_tokens - 1))
     ar = statistics.median(ar_ms)
     for name, drafter in drafters.items():
         for spec in trees[name]:
             per_round, taus = [], []
             for p in prompts:
                 res = specjax.generate(target, [p], drafters=[drafter], tree=spec, **kw)
-                ms = median_ms(lambda p=p: specjax.generate(target, [p], drafters=[drafter], tree=spec, **kw).tokens,
-                               args.repeats)
+                ms = decode_ms(p, drafters=[drafter], tree=spec)
                 per_round.append(ms / int(res.stats["rounds"][0]))
                 taus.append(float(res.stats["tau"][0]))
             ms_round, tau = statistics.median(per_round), statistics.mean(taus)
@@ -147,12 +319,14 @@ def main(argv=None) -> dict:
             rows.append({"drafter": name, "tree": spec, "nodes": tree_nodes(spec), "ms_round": ms_round,
                          "verify_ms": verify, "rest_ms": ms_round - verify, "break_even_tau": ms_round / ar,
                          "tau": tau, "speedup": tau * ar / ms_round})
-    result = {"what": what, "ar_ms_per_token": ar, "forward_ms": fwd, "rounds": rows,
+    result = {"what": what, "ar_ms_per_token": ar, "forward_ms": fwd, "rounds": rows, "split": split,
+              "cpu": cpu_model(),
               "context": args.context, "new_tokens": args.new_tokens, "prompts": len(prompts),
               "repeats": args.repeats, "backend": jax.default_backend(), "command": " ".join(sys.argv)}
     lines = [f"# Where a round's time goes ({what})", "",
              f"Batch 1, prompts of {args.context} tokens, {args.new_tokens} new tokens, greedy, float32, "
-             f"{jax.default_backend()}; medians over {args.repeats} repeats. "
+             f"{jax.default_backend()} ({cpu_model()}); medians over {args.repeats} repeats. Decode phase only: "
+             "every ms below is a whole generation's minus its prefill's (the same call with max_new_tokens=1). "
              f"Autoregressive: **{ar:.2f} ms/token**.", "",
              "| target forward over T tokens | " + " | ".join(str(T) for T in fwd) + " |",
              "|---|" + "---:|" * len(fwd),
@@ -164,7 +338,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['drafter']} | `{r['tree']}` | {r['nodes']} | {r['ms_round']:.2f} | {r['verify_ms']:.2f} | "
                      f"{r['rest_ms']:.2f} | {r['break_even_tau']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}× |")
     lines += ["", "`nodes` counts the root (the verification block is `nodes` tokens). Speedup = τ × AR ms/token / "
-              "ms/round: what the loop gains over autoregressive decoding at this τ.", "",
+              "ms/round: what the loop gains over autoregressive decoding at this τ.", ""] + split_lines + [
               f"Command: `{result['command']}`"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -51,6 +51,7 @@ from specjax import scheduler as sched_lib  # noqa: E402
 from specjax.drafters import DraftContext, LMDrafter, NgramDrafter  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 from specjax.treegraft import RoundStepper, TreeGraft  # noqa: E402
+from tools.bench import cpu_model  # noqa: E402
 from train.lm import repo_relative  # noqa: E402
 
 PAIRS = ("ngram+feature", "feature+lm", "ngram+lm")
@@ -169,11 +170,11 @@ def costs(target, tg: TreeGraft, tree, prompt) -> dict:
     gc, sc = nnx.split(tg.cheap)
     gs, ss = nnx.split(tg.strong)
     cheap_fn = jax.jit(lambda s, st, root: nnx.merge(gc, s).propose(st, root, ctx).tree)
-    tree_c = cheap_fn(sc, carry["dstate"].cheap, carry["root"])
+    tree_c = cheap_fn(sc, carry.dstate.cheap, carry.root)
     strong_fn = jax.jit(lambda s, st, t: nnx.merge(gs, s).score(st, t, cspec.max_depth))
     return {"scheduler_ms": 1e3 * sched_lib.measure_cost(tg.scheduler, 1, M, spec.num_nodes),
-            "cheap_propose_ms": 1e3 * sched_lib.time_call(cheap_fn, sc, carry["dstate"].cheap, carry["root"]),
-            "strong_score_ms": 1e3 * sched_lib.time_call(strong_fn, ss, carry["dstate"].strong, tree_c),
+            "cheap_propose_ms": 1e3 * sched_lib.time_call(cheap_fn, sc, carry.dstate.cheap, carry.root),
+            "strong_score_ms": 1e3 * sched_lib.time_call(strong_fn, ss, carry.dstate.strong, tree_c),
             "cheap_tree_nodes": M}
 
 
@@ -234,7 +235,8 @@ def write_outputs(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# TreeGraft benchmark ({meta['setup']})", "",
              f"Greedy, batch 1, {meta['new_tokens']} new tokens per prompt, verify tree `{meta['tree']}`, "
-             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']}; "
+             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']} "
+             f"({meta.get('cpu', 'CPU model not recorded')}); "
              f"load average before the run {meta['load_avg']:.2f}. Oracle: per-round hindsight choice, "
              "costed with the engine's measured per-round time of each branch (an estimate).", "",
              f"Command: `{meta['command']}`", ""]
@@ -401,7 +403,8 @@ def main(argv=None) -> int:
         return 1
     meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
             "tree": args.tree, "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "device": jax.devices()[0].device_kind, "platform": platform.platform(), "load_avg": os.getloadavg()[0],
+            "device": jax.devices()[0].device_kind, "platform": platform.platform(), "cpu": cpu_model(),
+            "load_avg": os.getloadavg()[0],
             "command": "python tools/bench_treegraft.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write_outputs(results, meta, out)
     print(out.with_suffix(".md").read_text())

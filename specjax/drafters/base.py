@@ -1,32 +1,52 @@
-"""The drafter protocol (design §5): one small interface, one file per drafter.
+"""The drafter contract (design §5): one small interface, one file per drafter.
 
-A drafter is an `nnx.Module` (its parameters, if any, are `nnx.Param`s; its configuration is
-static) with three pure methods over an explicit state pytree, all called inside the jitted loop:
+A drafter is an `nnx.Module` subclass of `Drafter` (its parameters, if any, are `nnx.Param`s; its
+configuration is static) with three pure methods over an explicit state pytree, all called inside
+the jitted loop:
 
     state = drafter.init(prompt_BxP, lengths_B, capacity, target_prefill)
     proposal = drafter.propose(state, root_B, ctx)    # a padded draft tree + q at each node
-    state = drafter.commit(proposal.state, committed)  # the round's accepted tokens (+ features)
+    state = drafter.commit(proposal.state, committed)  # what the target kept this round
 
-`score(state, tree, max_depth) -> log q [B, N, V]` (used when a stronger drafter rescores another's
-tree, TreeGraft: `specjax.treegraft`) lives with the drafters that can do it (lm, feature; not
-n-gram). It leaves the state unchanged.
+Everything else the engine, TreeGraft, the CLI and the benches ask of a drafter is declared here
+with its default, so a new drafter writes only what it does differently:
 
-Optional hooks the engine calls when present (composite drafters, TreeGraft):
-    scratch = drafter.check_tree(spec, rule)   # on the host, before tracing: ValueError on a bad
-                                               # setup; returns the scratch slots it needs past
-                                               # each cache's committed length
-    stats = drafter.loop_stats(final_state)    # extra per-row statistics ({name: [B] array})
+capabilities (class attributes, read on the host; never a check of the drafter's name)
+    gives_q              `Proposal.probs` holds the q its children were drawn from, so the
+                         sampled-candidates rules apply (n-gram: False, deterministic candidates)
+    can_score            `score(state, tree, max_depth)` rescores another drafter's tree (TreeGraft's
+                         strong drafter)
+    target_layers        target hidden layers it reads (feature drafters); `Committed.features`
+    reads_target_state   it reads `Committed.target` / `target_prefill.cache` (ReaDy); informative:
+                         the engine passes the target's committed state to every drafter, and XLA
+                         drops what a drafter does not read
+    attends              it has attention that FOLD can replace (`with_fold`)
+    drafts_matches       its candidates are copied matches (n-gram), free and unscored: TreeGraft takes
+                         its trie as the cheap tree as is (no larger-than-budget expansion by q)
+
+hooks (host side, before tracing)
+    check_tree(spec, rule) -> scratch slots it needs past each cache's committed length; raises
+                         ValueError on a setup it cannot draft (default: sampled rules need gives_q)
+    validate(capacity)   its own checks against the cache capacity (default: none)
+    with_fold(cfg)       the same drafter (same weights) with FOLD on (cfg) or off (None)
+
+hooks (traced)
+    score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
+    loop_stats(final_state) -> {name: [B] array}        extra per-row statistics (default: none)
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import jax
+from flax import nnx
 
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers, TreeSpec
 from specjax.typing import Array, Float, Int
+
+SAMPLED_RULES = ("sampled", "sampled_noreplace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +83,64 @@ class Proposal:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Committed:
-    """What the target kept this round: the root and the accepted draft tokens, in order."""
+    """What the target kept this round: the root and the accepted draft tokens, in order, and the
+    target's committed state after the round."""
     tokens: Int[Array, "B D+1"]  # padded with 0 past `count`
-    count: Int[Array, "B"]  # accepted + 1 (the root)
+    count: Int[Array, "B"]  # accepted + 1 (the root); 0 for a finished row
     positions: Int[Array, "B D+1"]  # absolute positions of `tokens`
-    features: Any = None  # target hidden states along the accepted path (feature drafters)
+    features: Any = None  # target hidden states along the accepted path (drafters with target_layers)
+    # The target's cache after this round's commit: a `KVCache` (length = committed tokens), or for a
+    # hybrid target a `HybridCache` whose `state` / `conv` are the recurrent and convolution states
+    # after the last accepted token (design §5; ReaDy reads them).
+    target: Any = None
 
 
-class Drafter(Protocol):
-    name: str
-    vocab_size: int | None  # None: works with any vocabulary (n-gram)
-    target_layers: tuple[int, ...]  # target hidden layers it reads (feature drafters)
+class Drafter(nnx.Module):
+    """Base class of every drafter: the declared capabilities and optional hooks, with defaults."""
+    name: ClassVar[str] = "drafter"
+    vocab_size: int | None = None  # None: works with any vocabulary (n-gram)
+    target_layers: tuple[int, ...] = ()
+    gives_q: ClassVar[bool] = False
+    can_score: ClassVar[bool] = False
+    reads_target_state: ClassVar[bool] = False
+    attends: ClassVar[bool] = False
+    drafts_matches: ClassVar[bool] = False
 
-    def init(self, prompt_BxP, lengths_B, capacity: int, target_out) -> Any: ...
-    def propose(self, state, root_B, ctx: DraftContext) -> Proposal: ...
-    def commit(self, state, committed: Committed) -> Any: ...
+    # -- the protocol (traced)
+
+    def init(self, prompt_BxP, lengths_B, capacity: int, target_out) -> Any:
+        raise TypeError(f"{type(self).__name__} does not define init")
+
+    def propose(self, state, root_B, ctx: DraftContext) -> Proposal:
+        raise TypeError(f"{type(self).__name__} does not define propose")
+
+    def commit(self, state, committed: Committed) -> Any:
+        raise TypeError(f"{type(self).__name__} does not define commit")
+
+    # -- optional hooks, with their defaults
+
+    def score(self, state, tree: TreeBuffers, max_depth: int | None = None):
+        """log q(·|node) at every node of another drafter's tree [B, N, V]; the state is unchanged."""
+        raise ValueError(f"the {self.name!r} drafter cannot score another drafter's tree (can_score=False)")
+
+    def check_tree(self, spec: TreeSpec, rule: str) -> int:
+        """On the host before tracing: ValueError on a setup this drafter cannot draft; returns the
+        scratch slots it needs past its cache's committed length beyond the tree's own (0)."""
+        if rule in SAMPLED_RULES and not self.gives_q:
+            raise ValueError(f"the {self.name!r} drafter proposes deterministic candidates (no q to sample from); "
+                             f"use verify='deterministic', not {rule!r}")
+        return 0
+
+    def validate(self, capacity: int) -> None:
+        """On the host before tracing: checks against the cache capacity (e.g. FOLD's window)."""
+
+    def with_fold(self, cfg) -> "Drafter":
+        """The same drafter (same weights) with FOLD on (`cfg`, a `specjax.fold.FoldConfig`) or off (None)."""
+        if cfg is None:
+            return self
+        raise ValueError(f"FOLD changes a drafter's attention; the {self.name!r} drafter has none "
+                         "(use it with an lm or feature drafter)")
+
+    def loop_stats(self, state) -> dict:
+        """Extra per-row statistics of a whole generation, from the final state ({name: [B] array})."""
+        return {}

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import kvcache, sampling, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
@@ -74,7 +74,7 @@ class FeatureHead(nnx.Module):
 
 def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT, rope: bool = True):
     """Projections of the entries (token, feature x); RoPE as the target's (rope=False: q and k
-    un-rotated, for FOLD)."""
+    un-rotated, for an attention that applies RoPE itself: FOLD)."""
     cfg = head.config
     B, T = tokens_BxT.shape
     h = jnp.concatenate([rms_norm(head.embed_norm, transformer.embed(target, tokens_BxT)),
@@ -101,14 +101,16 @@ def fuse(head: FeatureHead, features_BxTxF):
     return linear(head.fc, features_BxTxF)
 
 
-def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None):
-    """One drafter pass over T entries with a KV cache (drafting and commit)."""
-    if getattr(head, "fold", None) is not None:  # FOLD (specjax.fold): un-rotated keys, FOLD attention
-        from specjax import fold
-        return fold.feature_step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache, mask_BxTxS, offset_B)
-    q, k, v = qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT)
+def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None,
+         attention: attention_lib.Attention | None = None):
+    """One drafter pass over T entries with a KV cache (drafting and commit). `attention`: a
+    `specjax.attention.Attention` (default: the jnp one); one that `rotates` (FOLD,
+    `specjax.fold.FoldAttention`) gets q and k un-rotated and the cache keeps keys before RoPE."""
+    attention = attention_lib.DENSE if attention is None else attention
+    q, k, v = qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT, rope=not attention.rotates)
+    layer_attention = attention.bind(cache, positions_BxT, mask_BxTxS)
     cache = kvcache.write(cache, 0, k, v, offset_B)
-    attn = transformer.attend(q, cache.k[0], cache.v[0], kvcache.visible_mask(cache, mask_BxTxS))
+    attn = layer_attention(q, cache, 0)
     x, logits = finish(head, target, x_BxTxE, attn)
     return x, logits, cache
 
@@ -162,8 +164,11 @@ def target_features(out: transformer.ForwardOutput):
     return jnp.concatenate(out.hidden, axis=-1)
 
 
-class FeatureDrafter(nnx.Module):
+class FeatureDrafter(Drafter):
     name = "feature"
+    gives_q = True
+    can_score = True
+    attends = True
 
     def __init__(self, head: FeatureHead, target: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
@@ -175,12 +180,20 @@ class FeatureDrafter(nnx.Module):
             raise ValueError(f"feature drafter reads target layers {head.config.target_layers} but the target "
                              f"has {target.config.num_layers}")
         from specjax import fold as fold_lib
-        self.head = fold_lib.attach(head, fold)  # FOLD: a weight-sharing copy with `fold` set
+        self.head = head
         self.target = target  # shared: embedding and LM head
+        self.fold = fold_lib.check(fold)  # static: FOLD attention in every step (None: plain)
+
+    def with_fold(self, cfg) -> "FeatureDrafter":
+        """The same drafter (same head and target) with FOLD on (`cfg`) or off (None)."""
+        return FeatureDrafter(self.head, self.target, fold=cfg)
 
     @property
-    def fold(self):
-        return getattr(self.head, "fold", None)
+    def attention(self):
+        """The attention of every step: FOLD's (`specjax.fold.FoldAttention`, the target's RoPE), or
+        None (plain)."""
+        from specjax import fold as fold_lib
+        return fold_lib.FoldAttention.for_model(self.fold, self.target.config)
 
     def validate(self, capacity: int) -> None:
         """Called by the engine before tracing: FOLD's window must fit the cache."""
@@ -208,7 +221,7 @@ class FeatureDrafter(nnx.Module):
         cache = self._empty_cache(B, capacity)
         pos = jnp.broadcast_to(jnp.arange(P)[None], (B, P))
         _, _, cache = step(self.head, self.target, tokens, fuse(self.head, feats), pos, cache,
-                           transformer.causal_mask(B, P, n_B))
+                           transformer.causal_mask(B, P, n_B), attention=self.attention)
         last = jnp.take_along_axis(feats, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         return FeatureState(kvcache.set_length(cache, n_B), last, jnp.zeros((B, 1, self.head.config.hidden_size)))
 
@@ -227,7 +240,7 @@ class FeatureDrafter(nnx.Module):
                 x_in = jnp.take_along_axis(scratch, jnp.maximum(parent_slot_BxF, 0)[..., None], axis=1)
             pos = jnp.broadcast_to(cache.length[:, None] + depth, (B, F))
             x_out, logits, cache = step(self.head, self.target, tokens_BxF, x_in, pos, cache, mask_BxFxS,
-                                        jnp.full((B,), offset, jnp.int32))
+                                        jnp.full((B,), offset, jnp.int32), attention=self.attention)
             scratch = jax.lax.dynamic_update_slice_in_dim(scratch, x_out, offset, axis=1)
             logq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             return logq, (cache, scratch)
@@ -255,7 +268,8 @@ class FeatureDrafter(nnx.Module):
         def one_pass(_, carry):
             hidden, _ = carry
             x_in = jnp.where(is_root, x_root, jnp.take_along_axis(hidden, par, axis=1))
-            hidden, logits, _ = step(self.head, self.target, tree.tokens, x_in, pos, state.cache, mask)
+            hidden, logits, _ = step(self.head, self.target, tree.tokens, x_in, pos, state.cache, mask,
+                                     attention=self.attention)
             return hidden, logits.astype(jnp.float32)
 
         init = (jnp.zeros((B, N, E), x_root.dtype), jnp.zeros((B, N, self.vocab_size), jnp.float32))
@@ -268,7 +282,7 @@ class FeatureDrafter(nnx.Module):
         x_in = fuse(self.head, jnp.concatenate([state.last_feature[:, None], feats[:, :-1]], axis=1))
         pos = state.cache.length[:, None] + jnp.arange(T)[None]
         _, _, cache = step(self.head, self.target, committed.tokens, x_in, pos, state.cache,
-                           transformer.causal_mask(B, T, committed.count))
+                           transformer.causal_mask(B, T, committed.count), attention=self.attention)
         last = jnp.take_along_axis(feats, jnp.maximum(committed.count - 1, 0)[:, None, None], axis=1)[:, 0]
         last = jnp.where((committed.count > 0)[:, None], last, state.last_feature)
         return FeatureState(kvcache.advance(cache, committed.count), last, state.scratch)

@@ -1,33 +1,52 @@
-"""`lm`: an independent small causal LM with the same tokenizer, with its own KV cache.
+"""`lm`: an independent small causal LM with the same tokenizer, with its own cache.
 
-Drafting runs the drafter depth by depth over the tree (static path list or EAGLE-2 dynamic),
-its nodes written to scratch slots past the committed cache. Commit re-runs the accepted tokens
-as one block so the drafter's cache holds exactly the committed text.
+Any model family drafts (`family(model)`: a dense transformer, or a small hybrid whose DeltaNet
+layers carry a recurrent state per scratch node). Drafting runs the drafter depth by depth over
+the tree (static path list or EAGLE-2 dynamic), its nodes written to scratch slots past the
+committed cache (`forward(..., offset_B=)`; a hybrid also keeps each scratch node's state, see
+`hybrid.reserve`). Commit re-runs the accepted tokens as one block (`extend`) so the drafter's cache
+holds exactly the committed text.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from specjax import kvcache, sampling, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
-from specjax.models import transformer
+from specjax import sampling, tree as tree_lib
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
+from specjax.models import family
 from specjax.models.transformer import Model
 
 
-class LMDrafter(nnx.Module):
+class LMDrafter(Drafter):
     name = "lm"
-    target_layers = ()
+    gives_q = True
+    can_score = True
+    attends = True
 
     def __init__(self, model: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
         from specjax import fold as fold_lib
-        self.model = fold_lib.attach(model, fold)  # FOLD: a weight-sharing copy with `fold` set
+        if fold is not None and not isinstance(model, Model):
+            raise ValueError(f"FOLD replaces a dense transformer drafter's attention; the lm drafter is a "
+                             f"{type(model).__name__}")
+        self.model = model
+        self.fold = fold_lib.check(fold)  # static: FOLD attention in every forward (None: the model's own)
+
+    def with_fold(self, cfg) -> "LMDrafter":
+        """The same drafter (same model) with FOLD on (`cfg`) or off (None)."""
+        return LMDrafter(self.model, fold=cfg)
 
     @property
-    def fold(self):
-        return getattr(self.model, "fold", None)
+    def attention(self):
+        """FOLD's attention for the forwards (`specjax.fold.FoldAttention`), or None (the model's own)."""
+        from specjax import fold as fold_lib
+        return fold_lib.FoldAttention.for_model(self.fold, self.model.config)
+
+    @property
+    def _forward_kw(self) -> dict:
+        """Keyword arguments of every forward: `attention=` under FOLD (a transformer), none without."""
+        return {} if self.fold is None else {"attention": self.attention}
 
     def validate(self, capacity: int) -> None:
         """Called by the engine before tracing: FOLD's window must fit the cache."""
@@ -39,23 +58,32 @@ class LMDrafter(nnx.Module):
         return self.model.config.vocab_size
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out):
-        cache = transformer.init_cache(self.model, prompt_BxP.shape[0], capacity)
-        return transformer.prefill(self.model, prompt_BxP, lengths_B, cache).cache
+        fam = family(self.model)
+        cache = fam.init_cache(self.model, prompt_BxP.shape[0], capacity)
+        if self.fold is not None:  # FOLD: the prompt in chunks under FOLD attention
+            from specjax import fold as fold_lib
+            return fold_lib.prefill(self.model, prompt_BxP, lengths_B, cache, attention=self.attention).cache
+        return fam.prefill(self.model, prompt_BxP, lengths_B, cache).cache
 
     def propose(self, cache, root_B, ctx: DraftContext) -> Proposal:
+        fam = family(self.model)
+        spec = ctx.spec
+
         def evaluate(cache, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
             B, F = tokens_BxF.shape
             pos = jnp.broadcast_to(cache.length[:, None] + depth, (B, F))
-            out = transformer.forward(self.model, tokens_BxF, pos, cache, mask_BxFxS,
-                                      offset_B=jnp.full((B,), offset, jnp.int32))
+            out = fam.forward(self.model, tokens_BxF, pos, cache, mask_BxFxS, parents=parent_slot_BxF,
+                              offset_B=jnp.full((B,), offset, jnp.int32), **self._forward_kw)
             if ctx.mode == "topk":
                 logq = jax.nn.log_softmax(out.logits, axis=-1)
             else:  # sampled candidates come from q warped like the target's p
                 logq = sampling.warp(out.logits, ctx.params)
             return logq, out.cache
 
-        tree, probs, cache = tree_lib.expand(ctx.spec, root_B, evaluate, cache, ctx.key, mode=ctx.mode)
-        return Proposal(tree=tree, probs=probs, state=cache)
+        slots = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
+        tree, probs, cache = tree_lib.expand(spec, root_B, evaluate, fam.reserve(cache, slots), ctx.key, mode=ctx.mode)
+        # Scratch K/V stay past the committed length (commit overwrites them); scratch states go.
+        return Proposal(tree=tree, probs=probs, state=fam.release(cache))
 
     def score(self, cache, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
         """log q(·|node) at every node of someone else's tree [B, N, V], in one tree-attention pass:
@@ -66,11 +94,10 @@ class LMDrafter(nnx.Module):
         # A node sees itself even when invalid, so no attention row is empty (a 1-token prompt).
         mask = tree_lib.ancestor_mask(tree, D) | jnp.eye(N, dtype=bool)[None]
         pos = cache.length[:, None] + tree.depth
-        out = transformer.forward(self.model, tree.tokens, pos, cache, mask)
+        out = family(self.model).forward(self.model, tree.tokens, pos, cache, mask, parents=tree.parents,
+                                         **self._forward_kw)
         return jax.nn.log_softmax(out.logits, axis=-1)
 
     def commit(self, cache, committed: Committed):
-        B, T = committed.tokens.shape
-        mask = transformer.causal_mask(B, T, committed.count)
-        out = transformer.forward(self.model, committed.tokens, committed.positions, cache, mask)
-        return kvcache.advance(out.cache, committed.count)
+        return family(self.model).extend(self.model, committed.tokens, committed.count, cache,
+                                         **self._forward_kw).cache

@@ -2,23 +2,33 @@
 does proposes what followed it. Free, training-free, parameter-free; strong on repetitive text.
 
 A chain spec drafts the continuation of the best match (longest n-gram, then most recent). A
-tree spec drafts a trie: the continuations of the `branches` best matches (a dynamic spec's
+match ending at `end` sits `period = len - 1 - end` tokens before the context's last token; its
+continuation is `ctx[end + 1 + (d mod period)]` for d = 0..depth-1: the tokens that followed the
+match, and past the context's end the same tokens again. That is prompt lookup applied to its own
+draft (the match repeats `period` tokens later, so what follows the context is what followed the
+match, drafted tokens included): a period-p loop ("... a b c a b c a b") drafts the full depth,
+not p tokens, and a match further back than the depth drafts exactly what followed it.
+
+A tree spec drafts a trie: the continuations of the `branches` best matches (a dynamic spec's
 `topk`, a path list's widest branching), merged where they share a prefix, nodes ordered by depth
 then match rank and cut to the spec's node budget (parents always precede children, so the cut
-tree stays connected). The candidates are deterministic: verify with greedy or the
+tree stays connected). Node scores are a pseudo cumulative log q, since the n-gram has no q: 0
+along the best match (as a chain's), -log(1 + k) along the k-th best match's own branch — a child
+never outscores its parent, so TreeGraft's ranking and scheduler features read a trie like any
+drafter's tree. The candidates are deterministic: verify with greedy or the
 deterministic-candidates rule (the engine refuses the sampled rules for this drafter).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.typing import Array, Int
 
 
@@ -33,10 +43,13 @@ def _write(buf_BxC, new_BxT, start_B):
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s,)))(buf_BxC, new_BxT, start_B)
 
 
-class NgramDrafter(nnx.Module):
+class NgramDrafter(Drafter):
     name = "ngram"
-    vocab_size = None
-    target_layers = ()
+    # Its candidates are matches of the context, not draws from a q: no scores to expand a tree by
+    # (a tree spec asks for a trie of the best matches, `branches_of`), and free to draft. TreeGraft
+    # reads it to pick the cheap candidate tree. (gives_q = False, the base default, says only that
+    # the sampled rules do not apply.)
+    drafts_matches: ClassVar[bool] = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -50,7 +63,8 @@ class NgramDrafter(nnx.Module):
 
     def lookup(self, ctx_BxC, len_B, depth: int, branches: int = 1):
         """The `depth` tokens after each of the `branches` best suffix matches (longest n-gram
-        first, then most recent) [B, K, D], and their validity."""
+        first, then most recent) [B, K, D], continued periodically past the context's end (module
+        docstring), and their validity (False only for a match that does not exist)."""
         B, C = ctx_BxC.shape
         j_C = jnp.arange(C)
         rank_BxC = jnp.full((B, C), -1, jnp.int32)  # per match end: n * C + end for its longest n
@@ -64,8 +78,11 @@ class NgramDrafter(nnx.Module):
             ok = match & (j_C[None] >= n - 1) & (j_C[None] < len_B[:, None] - 1) & (len_B[:, None] >= n)
             rank_BxC = jnp.where(ok, n * C + j_C[None], rank_BxC)
         rank_BxK, end_BxK = jax.lax.top_k(rank_BxC, branches)
-        idx_BxKxD = end_BxK[..., None] + 1 + jnp.arange(depth)[None, None]
-        valid = (rank_BxK[..., None] >= 0) & (idx_BxKxD < len_B[:, None, None])
+        # a match `period` tokens back continues periodically past the context's end (module
+        # docstring); a real match has end <= len - 2, so period >= 1 (the max only guards non-matches)
+        period_BxK = jnp.maximum(len_B[:, None] - 1 - end_BxK, 1)
+        idx_BxKxD = end_BxK[..., None] + 1 + jnp.arange(depth)[None, None] % period_BxK[..., None]
+        valid = jnp.broadcast_to(rank_BxK[..., None] >= 0, idx_BxKxD.shape)
         toks = jnp.take_along_axis(ctx_BxC[:, None], jnp.clip(idx_BxKxD, 0, C - 1), axis=2)
         return jnp.where(valid, toks, 0), valid
 
@@ -99,7 +116,8 @@ def branches_of(spec) -> int:
 def trie(root_B, draft_BxKxD, valid_BxKxD, num_nodes: int) -> tree_lib.TreeBuffers:
     """K candidate chains under one root, merged where they share a prefix, as a padded tree of
     `num_nodes` nodes: node (k, d) is kept where chain k is the first with its prefix up to depth
-    d; nodes sorted by (depth, k) and cut to the budget."""
+    d; nodes sorted by (depth, k) and cut to the budget. Score: -log(1 + k) on chain k's own nodes
+    (0 on the best chain; never above the parent's, whose chain ranks no lower)."""
     B, K, D = draft_BxKxD.shape
     N = min(num_nodes, K * D + 1)  # padded to num_nodes at the end
     same = (draft_BxKxD[:, :, None] == draft_BxKxD[:, None, :]) & valid_BxKxD[:, None, :]  # [B, K, K', D]
@@ -125,7 +143,7 @@ def trie(root_B, draft_BxKxD, valid_BxKxD, num_nodes: int) -> tree_lib.TreeBuffe
         parents=cat(jnp.full(B1, -1, jnp.int32), jnp.where(kept, parent, -1).astype(jnp.int32)),
         depth=cat(jnp.zeros(B1, jnp.int32), jnp.where(kept, d_of + 1, 0).astype(jnp.int32)),
         valid=cat(jnp.ones(B1, bool), kept),
-        score=cat(jnp.zeros(B1), jnp.where(kept, -(d_of * K + k_of).astype(jnp.float32), -jnp.inf)),
+        score=cat(jnp.zeros(B1), jnp.where(kept, -jnp.log1p(k_of.astype(jnp.float32)), -jnp.inf)),
         source=jnp.zeros((B, N), jnp.int8))
     return _pad_nodes(tree, num_nodes)
 

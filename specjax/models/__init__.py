@@ -7,8 +7,10 @@ target-agnostic through `family(model)`:
     init_cache(model, B, capacity)
     prefill(model, tokens, lengths, cache, hidden_layers)          -> ForwardOutput (committed)
     decode_step(model, tokens_B, cache, hidden_layers)             -> ForwardOutput (committed)
-    forward(model, tokens, positions, cache, block_mask, hidden_layers, parents=None)
+    forward(model, tokens, positions, cache, block_mask, hidden_layers, parents=None, offset_B=None)
                                                                    -> ForwardOutput (not committed)
+    extend(model, tokens, n, cache, hidden_layers)                 -> ForwardOutput (committed: length += n)
+    reserve(cache, slots), release(cache)                          scratch for offset_B blocks, and back
     commit(cache, path, n_keep)                                    -> cache
     node_state_bytes(config), cache_bytes(config, B, capacity)     memory of a tree block / the cache
 """

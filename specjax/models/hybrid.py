@@ -55,7 +55,7 @@ from specjax import kvcache
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.config import HybridConfig
-from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, attend, causal_mask, linear
+from specjax.models.transformer import MLP, ForwardOutput, Linear, RMSNorm, causal_mask, linear
 from specjax.typing import Array, BlockMask, Bool, Float, Int, Positions, Tokens
 
 CHUNK_SIZE = 64  # the chunked delta rule's chunk length (as HF's torch_chunk_gated_delta_rule)
@@ -453,10 +453,10 @@ def conv_tree(x_BxTxC, conv_BxKm1xC, w_CxK, parents_BxT):
     return jax.nn.silu(out), window[:, :, 1:]
 
 
-def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv: KVCache, idx: int, visible_BxTxC,
-                    attention=None):
-    """Gated attention over the committed prefix + the block. `attention`: a kernel from
-    `transformer._kernel_attention` (see `transformer.set_attention_impl`), else jnp `attend`."""
+def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv: KVCache, idx: int, attention,
+                    offset_B=None):
+    """Gated attention over the committed prefix + the block. `attention(q, kv, idx)`: the forward's
+    bound attention (`transformer.model_attention(model).bind(...)`, see `transformer.set_attention_impl`)."""
     B, T, _ = h_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg = linear(at.q_proj, h_BxTxE).reshape(B, T, H, 2 * D)
@@ -465,8 +465,8 @@ def attention_layer(at: GatedAttention, cfg: HybridConfig, h_BxTxE, cos, sin, kv
     k = offset_rms_norm(at.k_norm, linear(at.k_proj, h_BxTxE).reshape(B, T, K, D))
     v = linear(at.v_proj, h_BxTxE).reshape(B, T, K, D)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-    kv = kvcache.write(kv, idx, k, v)
-    o = attend(q, kv.k[idx], kv.v[idx], visible_BxTxC) if attention is None else attention(q, kv, idx)
+    kv = kvcache.write(kv, idx, k, v, offset_B)
+    o = attention(q, kv, idx)
     o = o.reshape(B, T, H * D) * jax.nn.sigmoid(gate)
     return linear(at.o_proj, o), kv
 
@@ -483,17 +483,14 @@ lm_head = transformer.lm_head
 
 
 def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, block_mask_BxTxS, hidden_layers,
-         linear_fn):
+         linear_fn, offset_B=None):
     """The layer stack. `linear_fn(la, j, mixed, z, b, a, state, conv) -> (out, extra)` runs DeltaNet
     layer j (its index among the linear layers) and returns whatever the caller collects."""
     cfg = model.config
     x = embed(model, tokens_BxT)
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    impl = getattr(model, "attention_impl", "jnp")  # transformer.set_attention_impl works on hybrids too
-    if impl == "jnp":
-        visible, attention = kvcache.visible_mask(cache.kv, block_mask_BxTxS), None
-    else:
-        visible, attention = None, transformer._kernel_attention(impl, block_mask_BxTxS)
+    # the model's own attention (transformer.set_attention_impl works on hybrids too), bound once
+    attention = transformer.model_attention(model).bind(cache.kv, positions_BxT, block_mask_BxTxS)
     kv, extras, hidden = cache.kv, [], {}
     lin_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}
     attn_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
@@ -505,7 +502,8 @@ def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, bloc
             out, extra = linear_fn(layer.linear_attn, j, mixed, z, b, a, cache.state[j], cache.conv[j])
             extras.append(extra)
         else:
-            out, kv = attention_layer(layer.self_attn, cfg, h, cos, sin, kv, attn_index[i], visible, attention)
+            out, kv = attention_layer(layer.self_attn, cfg, h, cos, sin, kv, attn_index[i], attention,
+                                      offset_B)
         x = _mlp(layer, x + out)
         if i in hidden_layers:
             hidden[i] = x
@@ -514,7 +512,8 @@ def _run(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, bloc
 
 
 def forward(model: HybridModel, tokens_BxT: Tokens, positions_BxT: Positions, cache: HybridCache,
-            block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (), parents=None) -> ForwardOutput:
+            block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (), parents=None,
+            offset_B=None) -> ForwardOutput:
     """Runs a block of T nodes on top of each row's committed state; never commits.
 
     `parents[b, t]` is node t's parent within the block (-1: its parent is the committed state);
@@ -523,9 +522,18 @@ def forward(model: HybridModel, tokens_BxT: Tokens, positions_BxT: Positions, ca
     to slots `length .. length+T-1`), as in `transformer.forward`; the DeltaNet layers follow
     `parents`. The returned cache holds every node's delta-rule and convolution state in
     `node_state` / `node_conv`, for `commit`.
+
+    With `offset_B` (a drafter expanding its tree depth by depth, see `reserve`): the block's nodes
+    go to scratch slots `offset .. offset+T-1` (attention K/V at `length + offset + t`, states into
+    the reserved `node_state` / `node_conv` at slot `offset + t`), and `parents[b, t]` is the scratch
+    slot of the node's parent in an EARLIER block (-1: the committed state): one recurrent step
+    from the parent's stored state per node.
     """
     cfg = model.config
     B, T = tokens_BxT.shape
+    if offset_B is not None:
+        return _forward_scratch(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers, parents,
+                                offset_B)
     if parents is None:
         parents = jnp.arange(T, dtype=jnp.int32)[None] - 1
     parents_BxT = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, T))
@@ -543,6 +551,59 @@ def forward(model: HybridModel, tokens_BxT: Tokens, positions_BxT: Positions, ca
     else:
         node_state = jnp.zeros((0, B, T) + cache.state.shape[2:], jnp.float32)
         node_conv = jnp.zeros((0, B, T) + cache.conv.shape[2:], cache.conv.dtype)
+    out_cache = dataclasses.replace(cache, kv=kv, node_state=node_state, node_conv=node_conv)
+    return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
+
+
+def reserve(cache: HybridCache, slots: int) -> HybridCache:
+    """The cache with empty per-node buffers of `slots` scratch slots, for `forward(..., offset_B=)`."""
+    L, B = cache.state.shape[:2]
+    return dataclasses.replace(cache, node_state=jnp.zeros((L, B, slots) + cache.state.shape[2:], jnp.float32),
+                               node_conv=jnp.zeros((L, B, slots) + cache.conv.shape[2:], cache.conv.dtype))
+
+
+def release(cache: HybridCache) -> HybridCache:
+    """The cache without its per-node buffers (what `reserve` added): the committed state only."""
+    return dataclasses.replace(cache, node_state=None, node_conv=None)
+
+
+def _forward_scratch(model: HybridModel, tokens_BxT, positions_BxT, cache: HybridCache, block_mask_BxTxS,
+                     hidden_layers, parents_BxT, offset_B) -> ForwardOutput:
+    """`forward` with `offset_B`: each node one recurrent step from its parent's scratch state."""
+    cfg = model.config
+    B, T = tokens_BxT.shape
+    if cache.node_state is None:
+        raise ValueError("forward(..., offset_B=) writes per-node states into scratch slots: reserve them first "
+                         "(hybrid.reserve(cache, slots))")
+    par_BxT = jnp.broadcast_to(jnp.asarray(parents_BxT, jnp.int32), (B, T))
+    has_par = par_BxT >= 0
+    rows = jnp.arange(B)[:, None]
+    slot_BxT = offset_B.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    single = jnp.full((B * T, 1), -1, jnp.int32)  # every node is a block of one on top of its own start state
+
+    def start(nodes_BxSx, committed_Bx):  # each node's start state: its parent's, or the committed one
+        picked = nodes_BxSx[rows, jnp.maximum(par_BxT, 0)]
+        keep = has_par.reshape((B, T) + (1,) * (committed_Bx.ndim - 1))
+        return jnp.where(keep, picked.astype(committed_Bx.dtype), committed_Bx[:, None])
+
+    def linear_fn(la, j, mixed, z, b, a, state, conv):
+        S0 = start(cache.node_state[j], state).reshape((B * T,) + state.shape[1:])
+        c0 = start(cache.node_conv[j], conv).reshape((B * T,) + conv.shape[1:])
+        C = mixed.shape[-1]
+        conv_out, node_conv = conv_tree(mixed.reshape(B * T, 1, C), c0, la.conv1d.weight[...], single)
+        q, k, v, g, beta = _deltanet_qkvgb(la, cfg, conv_out.reshape(B, T, C), b, a)
+        q, k, v, g, beta = (x.reshape((B * T, 1) + x.shape[2:]) for x in (q, k, v, g, beta))
+        o, node_state = delta_tree(q, k, v, g, beta, S0, single)
+        o = o.reshape((B, T) + o.shape[2:])
+        return _deltanet_out(la, o, z, mixed.dtype), (node_state.reshape((B, T) + node_state.shape[2:]),
+                                                      node_conv.reshape((B, T) + node_conv.shape[2:]))
+
+    h, kv, extras, hidden = _run(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers, linear_fn,
+                                 offset_B)
+    node_state, node_conv = cache.node_state, cache.node_conv
+    for j, (st, cv) in enumerate(extras):
+        node_state = node_state.at[j, rows, slot_BxT].set(st, mode="drop")
+        node_conv = node_conv.at[j, rows, slot_BxT].set(cv.astype(node_conv.dtype), mode="drop")
     out_cache = dataclasses.replace(cache, kv=kv, node_state=node_state, node_conv=node_conv)
     return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
 

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import kvcache
+from specjax import attention as attention_lib, kvcache
 from specjax.kvcache import KVCache
 from specjax.models.config import ModelConfig
-from specjax.typing import Array, BlockMask, Float, Hidden, Logits, Positions, Tokens
+from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -102,54 +102,17 @@ def linear(lin: Linear, x):
     return y if lin.bias is None else y + lin.bias[...]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Float[Array, "D/2"]:
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-    s = cfg.rope_scaling
-    if s.rope_type == "linear":
-        inv = inv / s.factor
-    elif s.rope_type == "llama3":
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = jnp.where(medium, smoothed, scaled)
-    return inv
+# RoPE and the jnp attention live in `specjax.attention` (a leaf module); re-exported here.
+rope_inv_freq = attention_lib.rope_inv_freq
+rope_cos_sin = attention_lib.rope_cos_sin
+apply_rope = attention_lib.apply_rope
+attend = attention_lib.attend
 
 
-def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions):
-    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
-    emb_BxTxD = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
-    return jnp.cos(emb_BxTxD), jnp.sin(emb_BxTxD)
-
-
-def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD):
-    half = x_BxTxHxD.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
-    cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
-    return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
-
-
-def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T H D"]:
-    """Softmax attention of T queries over C cache slots (GQA: H = K * G). The reference that the
-    Pallas tree-attention kernel replaces."""
-    B, T, H, D = q_BxTxHxD.shape
-    K = k_BxCxKxD.shape[2]
-    q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
-    s_BxKxGxTxC = jnp.einsum("btkgd,bckd->bkgtc", q_BxTxKxGxD, k_BxCxKxD,
-                             preferred_element_type=jnp.float32) / math.sqrt(D)
-    s_BxKxGxTxC = jnp.where(visible_BxTxC[:, None, None], s_BxKxGxTxC, -jnp.inf)
-    p = jax.nn.softmax(s_BxKxGxTxC, axis=-1)
-    p = jnp.where(visible_BxTxC[:, None, None], p, 0.0)  # rows with nothing visible give 0, not NaN
-    out_BxTxKxGxD = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v_BxCxKxD.dtype), v_BxCxKxD)
-    return out_BxTxKxGxD.reshape(B, T, H, D)
-
-
-def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache, visible_BxTxC,
-                  offset_B=None, attention=None):
+def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache,
+                  attention: attention_lib.LayerAttention, offset_B=None):
+    """One decoder layer. `attention(q, cache, idx) -> [B, T, H, D]` is the forward's bound attention
+    (`Attention.bind`); cos = sin = None leaves q and k un-rotated (an attention that `rotates`)."""
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -159,13 +122,10 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     v = linear(attn.v_proj, h).reshape(B, T, K, D)
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-    if cos is not None:  # None: q and k stay un-rotated (FOLD drafters rotate them in attention, specjax.fold)
+    if cos is not None:  # None: q and k stay un-rotated (the attention applies RoPE itself)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = kvcache.write(cache, idx, k, v, offset_B)
-    if attention is None:
-        o = attend(q, cache.k[idx], cache.v[idx], visible_BxTxC)
-    else:  # a kernel (see set_attention_impl): attention(q, cache, layer index) -> [B, T, H, D]
-        o = attention(q, cache, idx)
+    o = attention(q, cache, idx)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
     h = rms_norm(layer.post_attention_layernorm, x_BxTxE)
     mlp = layer.mlp
@@ -194,7 +154,7 @@ def lm_head(model: Model, h_BxTxE) -> Logits:
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
             block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (),
-            offset_B=None, parents=None) -> ForwardOutput:
+            offset_B=None, parents=None, attention: attention_lib.Attention | None = None) -> ForwardOutput:
     """Runs a block of T tokens on top of each row's committed cache prefix.
 
     `parents` (the block's tree structure, used by recurrent targets, see `hybrid.forward`) is
@@ -204,21 +164,19 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     every committed slot of its row and scratch slot `length + s` iff block_mask[b, t, s]
     (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode); S = T
     unless earlier scratch blocks (a drafter's tree so far) are visible too.
+
+    `attention` (a `specjax.attention.Attention`, e.g. a drafter's `specjax.fold.FoldAttention`)
+    replaces the model's own (`model_attention`: jnp, or the kernel of `set_attention_impl`). One
+    that `rotates` gets q and k un-rotated, and the block's keys are cached before RoPE.
     """
-    if getattr(model, "fold", None) is not None:  # a FOLD drafter (specjax.fold): un-rotated keys
-        from specjax import fold
-        return fold.forward(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers, offset_B)
     cfg = model.config
+    attention = model_attention(model) if attention is None else attention
     x = embed(model, tokens_BxT)
-    cos, sin = rope_cos_sin(cfg, positions_BxT)
-    impl = getattr(model, "attention_impl", "jnp")
-    if impl == "jnp":
-        visible, attention = kvcache.visible_mask(cache, block_mask_BxTxS), None
-    else:
-        visible, attention = None, _kernel_attention(impl, block_mask_BxTxS)
+    cos, sin = (None, None) if attention.rotates else rope_cos_sin(cfg, positions_BxT)
+    layer_attention = attention.bind(cache, positions_BxT, block_mask_BxTxS)  # before any K/V is written
     hidden = {}
     for i, layer in enumerate(model.layers):
-        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, visible, offset_B, attention=attention)
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, layer_attention, offset_B)
         if i in hidden_layers:
             hidden[i] = x
     h = rms_norm(model.norm, x)
@@ -226,7 +184,7 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
                          hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=h)
 
 
-ATTENTION_IMPLS = ("jnp", "auto", "pallas", "interpret", "reference")
+ATTENTION_IMPLS = attention_lib.IMPLS
 
 
 def set_attention_impl(model: Model, impl: str) -> Model:
@@ -236,22 +194,14 @@ def set_attention_impl(model: Model, impl: str) -> Model:
     on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
     so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
     changes. A hybrid target (`specjax.models.hybrid`) accepts it too, for its gated-attention layers."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    attention_lib.for_impl(impl)  # ValueError on an unknown impl
     model.attention_impl = impl
     return model
 
 
-def _kernel_attention(impl: str, block_mask_BxTxS):
-    from pallas_kernels import ops  # only models that select a kernel import Pallas
-
-    bits_BxTxW = ops.pack_mask(block_mask_BxTxS)  # once per forward, shared by every layer
-
-    def attention(q_BxTxHxD, cache: KVCache, idx: int):
-        # The whole [L, B, C, K, D] cache goes in with a static layer: no per-layer slice copy.
-        return ops.tree_attention(q_BxTxHxD, cache.k, cache.v, cache.length, bits_BxTxW, layer=idx, impl=impl)
-
-    return attention
+def model_attention(model) -> attention_lib.Attention:
+    """The model's own attention (`set_attention_impl`; default "jnp"), as a `specjax.attention` object."""
+    return attention_lib.for_impl(getattr(model, "attention_impl", "jnp"))
 
 
 def causal_mask(batch: int, T: int, lengths_B=None) -> BlockMask:
@@ -272,9 +222,6 @@ def prefill(model: Model, tokens_BxP: Tokens, lengths_B, cache: KVCache, hidden_
 
     Returns the output with `cache.length == lengths`; logits at padded positions are garbage.
     """
-    if getattr(model, "fold", None) is not None:  # a FOLD drafter prefills in chunks (specjax.fold)
-        from specjax import fold
-        return fold.prefill(model, tokens_BxP, lengths_B, cache, hidden_layers)
     B, P = tokens_BxP.shape
     cache = kvcache.set_length(cache, jnp.zeros((B,), jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
@@ -301,3 +248,23 @@ def decode_step(model: Model, tokens_B, cache: KVCache, hidden_layers=()) -> For
     B = tokens_B.shape[0]
     out = forward(model, tokens_B[:, None], cache.length[:, None], cache, jnp.ones((B, 1, 1), bool), hidden_layers)
     return dataclasses.replace(out, cache=kvcache.advance(out.cache, jnp.ones((B,), jnp.int32)))
+
+
+def reserve(cache: KVCache, slots: int) -> KVCache:
+    """Scratch for a drafter's tree built block by block (`forward(..., offset_B=)`): the K/V of
+    scratch nodes live in the cache's own slots past `length`, so nothing to add."""
+    return cache
+
+
+def extend(model: Model, tokens_BxT: Tokens, n_B, cache: KVCache, hidden_layers=(), **forward_kw) -> ForwardOutput:
+    """Each row's first n tokens of the right-padded block, on top of its committed cache, committed
+    (length += n): a causal block. Logits at padded positions are garbage."""
+    B, T = tokens_BxT.shape
+    positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    out = forward(model, tokens_BxT, positions, cache, causal_mask(B, T, n_B), hidden_layers, **forward_kw)
+    return dataclasses.replace(out, cache=kvcache.advance(out.cache, n_B))
+
+
+def release(cache: KVCache) -> KVCache:
+    """The counterpart of `reserve`: nothing to drop (scratch K/V past `length` are simply overwritten)."""
+    return cache

@@ -1,0 +1,153 @@
+"""Attention for the models' forwards: RoPE, the jnp softmax attention, and the attention objects
+a forward takes (a leaf module: it imports no model).
+
+An attention object says how a forward's attention layers attend over the KV cache:
+
+    attention.rotates                 False: q and k reach it rotated (RoPE at their positions),
+                                      and the cache holds rotated keys. True: they reach it
+                                      UN-rotated, the cache holds keys before RoPE, and it applies
+                                      RoPE itself (FOLD re-positions keys: `specjax.fold.FoldAttention`)
+    fn = attention.bind(cache, positions_BxT, block_mask_BxTxS)
+                                      once per forward, before the block's K/V are written (it may
+                                      read the cache's `length` and shapes only): what every layer
+                                      shares (the visible mask, the packed mask bits, ...)
+    o_BxTxHxD = fn(q_BxTxHxD, cache, layer_idx)
+                                      per layer, after the layer's K/V are written at slots
+                                      `length + offset ..`: attention of the block's queries over
+                                      the committed slots and the scratch slots under the block mask
+
+`DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `KernelAttention(impl)`
+the Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`). `for_impl(name)` maps a
+model's `attention_impl` (`transformer.set_attention_impl`) to one of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kvcache
+from specjax.kvcache import KVCache
+from specjax.typing import Array, BlockMask, Float, Positions
+
+if TYPE_CHECKING:
+    from specjax.models.config import ModelConfig
+
+LayerAttention = Callable[[jax.Array, KVCache, int], jax.Array]  # (q [B,T,H,D], cache, layer) -> [B,T,H,D]
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(cfg: ModelConfig) -> Float[Array, "D/2"]:
+    """RoPE inverse frequencies [D/2] of a model config (default, "linear" and "llama3" scaling)."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    s = cfg.rope_scaling
+    if s.rope_type == "linear":
+        inv = inv / s.factor
+    elif s.rope_type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def cos_sin(inv_freq, positions_BxT: Positions):
+    """(cos, sin) [B, T, D] of RoPE at `positions` for inverse frequencies [D/2] (HF rotate_half)."""
+    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    emb_BxTxD = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
+    return jnp.cos(emb_BxTxD), jnp.sin(emb_BxTxD)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions):
+    return cos_sin(rope_inv_freq(cfg), positions_BxT)
+
+
+def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD):
+    half = x_BxTxHxD.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
+    cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
+    return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
+
+
+def rotate(x_BxTxHxD, positions_BxT: Positions, inv_freq):
+    """x rotated by RoPE at `positions` (inverse frequencies [D/2])."""
+    return apply_rope(x_BxTxHxD, *cos_sin(inv_freq, positions_BxT))
+
+
+# ----------------------------------------------------------------------------- softmax attention
+
+def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T H D"]:
+    """Softmax attention of T queries over C cache slots (GQA: H = K * G). The reference that the
+    Pallas tree-attention kernel replaces."""
+    B, T, H, D = q_BxTxHxD.shape
+    K = k_BxCxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
+    s_BxKxGxTxC = jnp.einsum("btkgd,bckd->bkgtc", q_BxTxKxGxD, k_BxCxKxD,
+                             preferred_element_type=jnp.float32) / math.sqrt(D)
+    s_BxKxGxTxC = jnp.where(visible_BxTxC[:, None, None], s_BxKxGxTxC, -jnp.inf)
+    p = jax.nn.softmax(s_BxKxGxTxC, axis=-1)
+    p = jnp.where(visible_BxTxC[:, None, None], p, 0.0)  # rows with nothing visible give 0, not NaN
+    out_BxTxKxGxD = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v_BxCxKxD.dtype), v_BxCxKxD)
+    return out_BxTxKxGxD.reshape(B, T, H, D)
+
+
+# ----------------------------------------------------------------------------- attention objects
+
+class Attention(Protocol):
+    """What a forward's `attention=` argument is (see the module docstring)."""
+    rotates: bool
+
+    def bind(self, cache: KVCache, positions_BxT: Positions, block_mask_BxTxS: BlockMask) -> LayerAttention: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """The jnp default: `attend` over `kvcache.visible_mask` (computed once per forward)."""
+    rotates: ClassVar[bool] = False
+
+    def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
+        visible_BxTxC = kvcache.visible_mask(cache, block_mask_BxTxS)
+
+        def attention(q_BxTxHxD, cache: KVCache, idx: int):
+            return attend(q_BxTxHxD, cache.k[idx], cache.v[idx], visible_BxTxC)
+
+        return attention
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelAttention:
+    """The Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`, impl "auto" |
+    "pallas" | "interpret" | "reference"); the block mask is packed once per forward."""
+    impl: str = "auto"
+    rotates: ClassVar[bool] = False
+
+    def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
+        from pallas_kernels import ops  # only models that select a kernel import Pallas
+
+        bits_BxTxW = ops.pack_mask(block_mask_BxTxS)  # shared by every layer
+
+        def attention(q_BxTxHxD, cache: KVCache, idx: int):
+            # The whole [L, B, C, K, D] cache goes in with a static layer: no per-layer slice copy.
+            return ops.tree_attention(q_BxTxHxD, cache.k, cache.v, cache.length, bits_BxTxW, layer=idx, impl=self.impl)
+
+        return attention
+
+
+DENSE = DenseAttention()
+IMPLS = ("jnp", "auto", "pallas", "interpret", "reference")
+
+
+def for_impl(impl: str) -> Attention:
+    """The attention object of an `attention_impl` name: "jnp" -> DENSE, else KernelAttention(impl)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(IMPLS)}")
+    return DENSE if impl == "jnp" else KernelAttention(impl)
