@@ -468,6 +468,7 @@ def test_hybrid_attention_layers_use_the_kernel():
         parents=jnp.broadcast_to(jnp.asarray(parents_N), (B, N)), depth=jnp.broadcast_to(jnp.asarray(depth_N), (B, N)),
         valid=jnp.ones((B, N), bool), score=jnp.zeros((B, N)), source=jnp.zeros((B, N), jnp.int8))
 
+    @nnx.jit  # one compiled program each: eager dispatch of the interpret-mode kernel is slow
     def run(model):
         out = hybrid.prefill(model, prompts, lengths, hybrid.init_cache(model, B, 24))
         verify = hybrid.forward(model, tree.tokens, tree_lib.positions(tree, out.cache.length), out.cache,
