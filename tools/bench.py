@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tools.bench_ar import cpu_name as cpu_model  # noqa: E402  (the CPU's model name, recorded with every bench)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -198,18 +200,6 @@ def zoo_setup(args):
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
-
-
-def cpu_model() -> str:
-    """The CPU's model name (benches record it: the same bench differs across machines)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def write_outputs(rows, meta, out: Path):
