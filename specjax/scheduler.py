@@ -8,7 +8,7 @@ history:
                  continuation probability at depth d (1 for a valid n-gram node, 0 past the tree);
   entropy_d{d}   entropy of the children of the best node at depth d-1, from the tree's own
                  children plus one bucket for the mass not in the tree (a lower bound of the
-                 drafter's entropy; 0 for an n-gram chain);
+                 drafter's entropy; 0 for an n-gram chain, not for its trie);
   path_mass      sum of exp(cumulative log q) over the best N-1 nodes (N: the verify budget) —
                  the expected number of accepted tokens if the cheap drafter were right;
   tau_ema        exponential moving average of the row's tau (accepted + 1) over recent rounds;
