@@ -77,7 +77,7 @@ def forward_costs(target, prompt_len: int, blocks: list[int], repeats: int, loop
             cache, acc = x
             pos = cache.length[:, None] + jnp.arange(T)[None]
             out = fam.forward(model, tokens_BxT + i * 0, pos, cache, transformer.causal_mask(B, T))
-            return (fam.release(out.cache) if hasattr(fam, "release") else out.cache), acc + out.logits[0, 0, 0]
+            return fam.release(out.cache), acc + out.logits[0, 0, 0]
 
         return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
 
@@ -123,10 +123,6 @@ def load_models(args):
         "random weights of the zoo's shapes (no trained zoo here): costs only, tau meaningless"
 
 
-def _carry_get(carry, name):  # the loop carry: a LoopCarry (engine v2) or a dict (before it)
-    return carry[name] if isinstance(carry, dict) else getattr(carry, name)
-
-
 def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int = 16) -> dict[str, float]:
     """ms per round of each stage of a greedy round, measured IN a loop (see the module docstring, 3):
     each stage runs `loops` times in one jitted `fori_loop` that carries its state, as the
@@ -141,7 +137,7 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     spec = tree_lib.parse_tree_spec(spec_str)
     D, M, R = spec.max_depth, 64, loops
     V = target.config.vocab_size
-    scratch = drafter.check_tree(spec, "greedy") if hasattr(drafter, "check_tree") else 0
+    scratch = drafter.check_tree(spec, "greedy")
     slack = max(spec.num_nodes, getattr(spec, "pool_size", spec.num_nodes), scratch) + D + 2
     # Room for R commits of D + 1 tokens on top of the prompt (the commit loops advance the caches).
     batch = engine.prepare_prompts([prompt], V, M + R * (D + 1), None, slack=slack)
@@ -153,14 +149,13 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     ctx = lambda sp: DraftContext(sp, "topk", params, key)  # noqa: E731
 
     def committed_of(carry, vd, tout, cache):
-        root = _carry_get(carry, "root")
+        root = carry.root
         feats = None
         if layers:
             feats = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
-        kw = dict(target=cache) if "target" in Committed.__dataclass_fields__ else {}
         return Committed(tokens=jnp.concatenate([root[:, None], vd.tokens], 1), count=vd.num_accepted + 1,
-                         positions=_carry_get(carry, "cache").length[:, None] + jnp.arange(D + 1)[None],
-                         features=feats, **kw)
+                         positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None],
+                         features=feats, target=cache)
 
     @jax.jit
     def start(state, toks, lens):
@@ -192,21 +187,21 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
         def body(state, x, i):
             _, d = nnx.merge(graphdef, state)
             dstate, acc = x
-            prop = d.propose(dstate, _carry_get(carry, "root"), ctx(sp))
+            prop = d.propose(dstate, carry.root, ctx(sp))
             return prop.state, acc + jnp.sum(prop.tree.tokens)
         return body
 
     m0, d0 = nnx.merge(graphdef, state)
-    prop = d0.propose(_carry_get(carry, "dstate"), _carry_get(carry, "root"), ctx(spec))
+    prop = d0.propose(carry.dstate, carry.root, ctx(spec))
     tree = prop.tree
-    cache0 = _carry_get(carry, "cache")
+    cache0 = carry.cache
 
     def forward_body(state, x, i):
         m, _ = nnx.merge(graphdef, state)
         cache, acc = x
         out = fam.forward(m, touch(tree.tokens, i), tree_lib.positions(tree, cache.length), cache,
                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-        return fam.release(out.cache) if hasattr(fam, "release") else out.cache, acc + out.logits[0, 0, 0]
+        return fam.release(out.cache), acc + out.logits[0, 0, 0]
 
     tout = fam.forward(m0, tree.tokens, tree_lib.positions(tree, cache0.length), cache0,
                        tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
