@@ -83,6 +83,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "'[[0],[1],[0,0]]' (default chain=4)")
     p.add_argument("--verify", default=None, choices=["greedy", "deterministic", "sampled", "sampled_noreplace"],
                    help="verification rule (default: greedy at temperature 0, deterministic otherwise)")
+    p.add_argument("--confidence", default="off", metavar="THRESHOLD|schedule|off",
+                   help="a block drafter's (DSpark's) confidence cut, lossless under every rule: 'off' (default) "
+                        "verifies the whole chain; a threshold in (0, 1) stops each row's draft before its first "
+                        "position of lower confidence; 'schedule' picks the draft lengths that maximise expected "
+                        "tokens per second from a measured cost per verify width (--verify-profile)")
+    p.add_argument("--verify-profile", default=None, metavar="FILE",
+                   help="with --confidence schedule: the verify-width cost profile of this machine, written by "
+                        "tools/profile_widths.py (default: bench/verify_profile_<model dir name>.json in the current "
+                        "directory, else in the specjax repository)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line instead of plain text")
 
@@ -201,11 +210,12 @@ def run_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load the model: {e}") from None
     cfg = model.config
+    confidence, costs = confidence_args(args, n_prompts=len(sources))
     try:
         from specjax.drafters import load_drafter
         # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
         drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
-                                target_path=args.model)
+                                target_path=args.model, confidence=confidence, costs=costs)
                     for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None
@@ -301,6 +311,71 @@ def fold_config(args: argparse.Namespace):
         raise UsageError(f"--fold {args.fold}: {e}") from None
 
 
+def confidence_args(args: argparse.Namespace, n_prompts: int):
+    """(confidence, costs) for `load_drafter` from --confidence / --verify-profile. `costs` (round
+    seconds per verify width) only for 'schedule', from the profile's batch size nearest the run's."""
+    conf = args.confidence.strip().lower() if args.confidence else "off"
+    if conf != "schedule" and args.verify_profile is not None:
+        raise UsageError("--verify-profile is read only with --confidence schedule")
+    if conf == "off":
+        return "off", None
+    if not args.drafter:
+        raise UsageError(f"--confidence {args.confidence} needs a block --drafter (DSpark)")
+    if len(args.drafter) > 1 or args.treegraft is not None:
+        raise UsageError("--confidence cuts a single block drafter's draft: not with several drafters or --treegraft")
+    if conf != "schedule":
+        from specjax.drafters.block import parse_confidence
+        try:
+            return parse_confidence(conf), None
+        except ValueError as e:
+            raise UsageError(f"--confidence: {e}") from None
+    # 'schedule': the costs need the drafter's verify widths (the default ones of a chain's node
+    # count) and a profile; a drafter that is not a block drafter with a confidence head is refused
+    # by load_drafter, so look for the profile only for one that is.
+    from specjax.drafters import block
+    drafter = args.drafter[0]
+    try:
+        cfg = block.read_config(drafter)
+    except (OSError, ValueError):
+        return "schedule", None  # not a block drafter: load_drafter says so
+    if not cfg.confidence:
+        return "schedule", None  # DFlash: load_drafter says it has no confidence head
+    from specjax import profile as profile_lib, tree as tree_lib
+    try:
+        spec = tree_lib.parse_tree_spec(f"chain={cfg.block_size}" if args.tree is None else args.tree)
+    except ValueError as e:
+        raise UsageError(f"--tree {args.tree}: {e}") from None
+    widths = block.default_widths(spec.num_nodes)
+    path = args.verify_profile or find_verify_profile(args.model)
+    make = (f"python tools/profile_widths.py --target {args.model} --drafter {drafter} --batch {n_prompts}"
+            + (f" --tree {args.tree}" if args.tree is not None else f" --tree chain={cfg.block_size}"))
+    if path is None:
+        name = profile_lib.default_profile_name(args.model)
+        raise UsageError(f"--confidence schedule needs the verify-width cost profile of this machine (no bench/{name} "
+                         f"here or in the specjax repository): make one with `{make}`, or pass --verify-profile FILE")
+    if not os.path.isfile(path):
+        raise UsageError(f"--verify-profile {path}: no such file (make one with `{make}`)")
+    try:
+        costs = profile_lib.costs_from_profile(profile_lib.load_profile(path), n_prompts, widths)
+    except ValueError as e:
+        raise UsageError(f"--verify-profile {path}: {e}") from None
+    return "schedule", costs
+
+
+def find_verify_profile(model_path: str) -> str | None:
+    """bench/verify_profile_<model dir name>.json in the current directory, else in the specjax
+    repository (next to the package); None when neither exists."""
+    from pathlib import Path
+
+    from specjax.profile import default_profile_name
+    name = default_profile_name(model_path)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        f = root / "bench" / name
+        if f.is_file():
+            return str(f)
+    return None
+
+
 def spec_stats(result, row: int) -> dict:
     """Per-prompt speculative statistics for --json (empty for autoregressive runs)."""
     if "tau" not in result.stats:
@@ -309,6 +384,11 @@ def spec_stats(result, row: int) -> dict:
     out = {"tau": round(float(st["tau"][row]), 4), "rounds": int(st["rounds"][row]),
            "accepted": int(st["accepted"][row]),
            "depth_acceptance": [round(float(x), 4) for x in st["depth_acceptance"][row]]}
+    if "mean_verify_width" in st:  # nodes the target verified per round (< the tree's when drafts are cut)
+        out["mean_verify_width"] = round(float(st["mean_verify_width"][row]), 4)
+    if "drafted" in st and "draft_rounds" in st:  # a block drafter's draft positions proposed after its cuts
+        out["drafted"] = int(st["drafted"][row])
+        out["draft_rounds"] = int(st["draft_rounds"][row])
     if "treegraft_invoked" in st:
         rounds = max(int(st["rounds"][row]), 1)
         out["treegraft"] = {

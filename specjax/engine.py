@@ -181,7 +181,7 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
 # ----------------------------------------------------------------------------- speculative
 
-DEFAULT_TREE = "chain=4"
+DEFAULT_TREE = "chain=4"  # = Drafter.default_tree; a drafter may say otherwise (a block drafter: its block)
 
 
 def resolve_rule(verify: str | None, temperature: float) -> str:
@@ -224,6 +224,26 @@ def check_state_budget(model, batch: int, num_nodes: int, capacity: int, state_b
     return need
 
 
+def check_verify_widths(widths, spec) -> tuple[int, ...]:
+    """The drafter's `verify_widths(spec)`, checked on the host (ValueError): positive integers,
+    strictly ascending, the last the tree's node count."""
+    try:
+        ws = tuple(widths)
+    except TypeError:
+        raise ValueError(f"verify_widths must be a tuple of node counts, got {widths!r}") from None
+    if not ws:
+        raise ValueError("verify_widths must hold at least one width (the tree's node count)")
+    for w in ws:
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+            raise ValueError(f"verify_widths must be positive integers (node counts, root included), got {ws}")
+    ws = tuple(int(w) for w in ws)
+    if any(b <= a for a, b in zip(ws, ws[1:])):
+        raise ValueError(f"verify_widths must be strictly ascending (unique), got {ws}")
+    if ws[-1] != spec.num_nodes:
+        raise ValueError(f"the last verify width must be the tree's node count {spec.num_nodes}, got {ws}")
+    return ws
+
+
 def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
                           temperature, top_k, top_p, seed, capacity, state_budget_bytes=None) -> GenerationResult:
     if len(drafters) > 1:
@@ -237,11 +257,12 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
                          "a drafter must share the target's tokenizer")
-    spec = tree_lib.parse_tree_spec(DEFAULT_TREE if tree is None else tree)
+    spec = tree_lib.parse_tree_spec(drafter.default_tree if tree is None else tree)
     rule = resolve_rule(verify, temperature)
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
     # The drafter refuses what it cannot draft (e.g. sampled rules without q) and says what scratch it needs.
     scratch = drafter.check_tree(spec, rule)
+    check_verify_widths(drafter.verify_widths(spec), spec)
     if mode != "topk" and isinstance(spec, tree_lib.DynamicTree):
         raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
     evaluated = max(spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes, scratch)
@@ -258,6 +279,7 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     rounds = np.maximum(stats["rounds"], 1)
     stats["tau"] = 1.0 + stats["accepted"] / rounds
     stats["depth_acceptance"] = stats["accepted_at_depth"] / rounds[:, None]
+    stats["mean_verify_width"] = stats["verified_nodes"] / rounds
     return GenerationResult(np.asarray(tokens), np.asarray(lengths), stats)
 
 
@@ -272,11 +294,12 @@ class RoundStats:
     rounds: Int[Array, "B"]  # rounds the row took part in
     accepted: Int[Array, "B"]  # accepted draft tokens (bonus tokens not counted)
     accepted_at_depth: Int[Array, "B D"]  # rounds whose accepted path reached depth d+1
+    verified_nodes: Int[Array, "B"]  # tree nodes the target verified, summed over the row's rounds
 
     @classmethod
     def zeros(cls, B: int, D: int) -> "RoundStats":
         z = jnp.zeros((B,), jnp.int32)
-        return cls(rounds=z, accepted=z, accepted_at_depth=jnp.zeros((B, D), jnp.int32))
+        return cls(rounds=z, accepted=z, accepted_at_depth=jnp.zeros((B, D), jnp.int32), verified_nodes=z)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -328,24 +351,32 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     target and the drafter, emit accepted + bonus tokens (cut at EOS and max_new_tokens).
 
     The body of the generation loop, and (jitted alone) the single round that TreeGraft's value
-    system steps from the host."""
+    system steps from the host. A drafter with several `verify_widths` has the target verify only
+    the smallest compiled width that holds every active row's last valid node (`lax.switch`)."""
     M, D = max_new_tokens, spec.max_depth
     layers = tuple(drafter.target_layers)
     fam = family(model)
     root_B, cache, done_B, n_out_B, buf = carry.root, carry.cache, carry.done, carry.n_out, carry.buf
     k_draft, k_verify = jax.random.split(jax.random.fold_in(key, carry.r))
-    prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft))
-    tree = prop.tree
-    tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
-                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-    vd = verify_lib.verify(tree, tout.logits, k_verify, rule=rule, max_depth=D, params=params,
-                           draft_probs_BxNxV=prop.probs)
     active = ~done_B
+    prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
+    tree = prop.tree
+    widths = check_verify_widths(drafter.verify_widths(spec), spec)
+    if len(widths) == 1:
+        tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+        logits, hidden, tcache = tout.logits, tout.hidden, tout.cache
+        width = jnp.int32(widths[0])
+    else:
+        logits, hidden, tcache, width, tree = _verify_forward_switch(model, fam, tree, cache, active, widths, D,
+                                                                     layers)
+    vd = verify_lib.verify(tree, logits, k_verify, rule=rule, max_depth=D, params=params,
+                           draft_probs_BxNxV=prop.probs)
     keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
     features = None
     if layers:  # target features along the accepted path, for feature drafters
-        features = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
-    cache = fam.commit(tout.cache, vd.path, keep_B)
+        features = jnp.take_along_axis(jnp.concatenate(hidden, axis=-1), vd.path[..., None], axis=1)
+    cache = fam.commit(tcache, vd.path, keep_B)
     committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
                           positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
                           target=cache)
@@ -364,10 +395,49 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     st = carry.stats
     stats = RoundStats(rounds=st.rounds + act, accepted=st.accepted + act * vd.num_accepted,
                        accepted_at_depth=st.accepted_at_depth
-                       + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32))
+                       + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32),
+                       verified_nodes=st.verified_nodes + act * width)
     new = LoopCarry(r=carry.r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate,
                     done=done_B, n_out=n_out_B, buf=buf, stats=stats)
     return new, RoundOutput(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
+
+
+def verify_need(tree: tree_lib.TreeBuffers, active_B) -> Int[Array, ""]:
+    """The tree width this round must verify: max over active rows of 1 + the largest index of a
+    valid node (at least 1: the root)."""
+    N = tree.num_nodes
+    last_B = jnp.max(jnp.where(tree.valid, jnp.arange(N, dtype=jnp.int32)[None], 0), axis=1)
+    return jnp.maximum(jnp.max(jnp.where(active_B, last_B + 1, 1)), 1).astype(jnp.int32)
+
+
+def _verify_forward_switch(model, fam, tree: tree_lib.TreeBuffers, cache, active_B, widths: tuple[int, ...],
+                           max_depth: int, layers: tuple[int, ...]):
+    """The target's verification forward at the smallest compiled width that holds every active
+    row's last valid node (design §3b): one `lax.switch` branch per width, each traced once, running
+    the first w nodes and padding logits, hidden states and the per-node cache back to N nodes.
+    Returns (logits [B, N, V], hidden, cache, width, tree): `tree` with every node at or past the
+    chosen width invalid (a no-op on active rows; finished rows never walk the padding)."""
+    N = tree.num_nodes
+    need = verify_need(tree, active_B)
+    index = jnp.sum(jnp.asarray(widths, jnp.int32) < need).astype(jnp.int32)  # smallest width >= need
+    pos = tree_lib.positions(tree, cache.length)
+
+    def branch(w):
+        def run(_):
+            sub = jax.tree.map(lambda x: x[:, :w], tree)
+            out = fam.forward(model, sub.tokens, pos[:, :w], cache, tree_lib.ancestor_mask(sub, max_depth),
+                              hidden_layers=layers, parents=sub.parents)
+
+            def pad(x):  # [B, w, ...] -> [B, N, ...]
+                return jnp.pad(x, [(0, 0), (0, N - w)] + [(0, 0)] * (x.ndim - 2))
+
+            return pad(out.logits), tuple(pad(h) for h in out.hidden), fam.pad_nodes(out.cache, N)
+        return run
+
+    logits, hidden, tcache = jax.lax.switch(index, [branch(w) for w in widths], None)
+    width = jnp.asarray(widths, jnp.int32)[index]
+    tree = dataclasses.replace(tree, valid=tree.valid & (jnp.arange(N)[None] < width))
+    return logits, hidden, tcache, width, tree
 
 
 @jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode"))

@@ -358,7 +358,8 @@ class TreeGraft(Drafter):
         N, D = spec.num_nodes, spec.max_depth
         cspec, M, G, k = self.plan(spec)
         B = root_B.shape[0]
-        cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key, ctx.features))
+        cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key, ctx.features,
+                                                                   active=ctx.active))
         ctree = sanitize(cp.tree, D)
         features = sched_lib.tree_features(ctree, N, state.tau_ema, state.last_accepted)
         code = self.policy_code.get_value()

@@ -216,3 +216,73 @@ def test_speculative_usage_errors(capsys, model_dir):
     expect_usage_error(capsys, base + ["--tree", "chain=2"], "need a --drafter")
     expect_usage_error(capsys, base + ["--drafter", "ngram", "--verify", "sampled", "--temperature", "1"],
                        "deterministic")
+
+
+# ----------------------------------------------------------------------------- block drafters (DSpark)
+
+@pytest.fixture(scope="module")
+def block_dirs(tmp_path_factory, loaded):
+    """A tiny random DSpark drafter (its confidence head randomised, so cuts happen) and a DFlash one."""
+    import jax
+    from flax import nnx
+
+    from specjax.drafters.block import BlockConfig, BlockHead, save_block_head
+    model, _ = loaded
+    out = {}
+    for name, rank in (("dspark", 8), ("dflash", 0)):
+        head = BlockHead(BlockConfig.for_target(model.config, block_size=4, num_layers=1, markov_rank=rank),
+                         nnx.Rngs(0))
+        if head.confidence_w is not None:
+            w = head.confidence_w.get_value()
+            head.confidence_w.set_value(0.5 * jax.random.normal(jax.random.key(3), w.shape, w.dtype))
+        out[name] = str(tmp_path_factory.mktemp(name))
+        save_block_head(head, out[name])
+    return out
+
+
+def test_block_drafter_confidence(capsys, tmp_path, monkeypatch, model_dir, loaded, block_dirs):
+    """--confidence off / threshold / schedule with a block drafter: the same greedy tokens (a cut
+    only removes proposals), and the verify-width and drafting stats in --json."""
+    monkeypatch.chdir(tmp_path)  # no bench/verify_profile_*.json here
+    model, tok = loaded
+    ids = tok.encode("def add(a, b):").ids
+    ref = specjax.generate(model, [ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    base = ["--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N), "--ignore-eos",
+            "--drafter", block_dirs["dspark"], "--tree", "chain=4"]
+    [off] = run_json(capsys, *base)
+    assert off["tokens"] == ref and off["tau"] >= 1.0
+    assert off["mean_verify_width"] == pytest.approx(5.0)  # root + the whole chain, every round
+    assert off["drafted"] == 4 * off["draft_rounds"] and off["draft_rounds"] >= off["rounds"] >= 1
+    [cut] = run_json(capsys, *base, "--confidence", "0.5")
+    assert cut["tokens"] == ref
+    assert 1.0 <= cut["mean_verify_width"] <= 5.0 and cut["drafted"] <= 4 * cut["draft_rounds"]
+
+    expect_usage_error(capsys, base + ["--confidence", "schedule"], "tools/profile_widths.py")
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"tree": "chain=4", "rows": {
+        "1": {"widths": [1, 2, 3, 5], "round_s": [1.0, 1.05, 1.1, 1.2]},
+        "8": {"widths": [1, 2, 3, 5], "round_s": [2.0, 2.5, 3.0, 4.0]}}}))
+    [sched] = run_json(capsys, *base, "--confidence", "schedule", "--verify-profile", str(profile))
+    assert sched["tokens"] == ref and 1.0 <= sched["mean_verify_width"] <= 5.0
+    # the default profile: bench/verify_profile_<model dir name>.json in the current directory
+    (tmp_path / "bench").mkdir()
+    shutil.copy(profile, tmp_path / "bench" / f"verify_profile_{os.path.basename(model_dir)}.json")
+    [sched2] = run_json(capsys, *base, "--confidence", "schedule")
+    assert sched2["tokens"] == sched["tokens"]
+    expect_usage_error(capsys, base[:-1] + ["chain=3", "--confidence", "schedule", "--verify-profile",
+                                            str(profile)], "rerun python tools/profile_widths.py")
+
+
+def test_block_drafter_confidence_usage_errors(capsys, tmp_path, model_dir, block_dirs):
+    base = ["--model", model_dir, "--prompt", "x"]
+    expect_usage_error(capsys, base + ["--drafter", "ngram", "--confidence", "0.5"], "needs a block drafter")
+    expect_usage_error(capsys, base + ["--drafter", model_dir, "--confidence", "0.5"], "needs a block drafter")
+    expect_usage_error(capsys, base + ["--drafter", model_dir, "--confidence", "schedule"], "needs a block drafter")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dflash"], "--confidence", "0.5"], "no confidence head")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "2"], "in (0, 1)")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "high"], "threshold")
+    expect_usage_error(capsys, base + ["--confidence", "0.5"], "needs a block --drafter")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--verify-profile", "p.json"],
+                       "only with --confidence schedule")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "schedule",
+                                       "--verify-profile", str(tmp_path / "nope.json")], "no such file")

@@ -10,9 +10,16 @@ sys.path.insert(0, str(REPO / "tools"))
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     import bench
     out = tmp_path / "spec"
-    assert bench.main(["--smoke", "--methods", "lm chain=4,lm chain=4 T=1 sampled", "--out", str(out)]) == 0
+    block = ["dspark chain=4 schedule", "dflash chain=4 T=1 sampled"]  # block drafters (made-up profile)
+    assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4", "lm chain=4 T=1 sampled"] + block),
+                       "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4", "lm chain=4 T=1 sampled"]
+    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4", "lm chain=4 T=1 sampled"] + block
+    for r in rows[4:]:  # the draft-ms and verify-width columns; the scheduler's cuts verify fewer nodes
+        assert r["tau"] >= 1 and r["draft_ms"] > 0 and 1 <= r["mean_verify_width"] <= 5
+        assert len(r["depth_acceptance"]) == 4 and 0 <= r["mean_draft_len"] <= 4
+    assert rows[4]["check"]["mismatch"] == 0 and rows[4]["mean_verify_width"] < 5
+    assert "| dspark chain=4 schedule |" in out.with_suffix(".md").read_text()
     sampled = rows[3]  # the sampled-candidates rule, its speedup against AR at the same temperature
     assert sampled["temperature"] == 1.0 and sampled["tau"] >= 1 and "speedup" in sampled
     lm = rows[2]
@@ -31,3 +38,32 @@ def test_bench_round_smoke(tmp_path):
         assert x["tau"] >= 1 and x["ms_round"] > 0
         assert abs(x["speedup"] - x["tau"] * r["ar_ms_per_token"] / x["ms_round"]) < 1e-9
     assert "break-even" in out.with_suffix(".md").read_text()
+
+
+def test_profile_widths_smoke(tmp_path):
+    import profile_widths
+
+    from specjax.profile import costs_from_profile, load_profile
+    out = tmp_path / "profile.json"
+    p = profile_widths.main(["--smoke", "--batch", "1", "--tree", "chain=2", "--out", str(out)])
+    assert load_profile(str(out)) == json.loads(json.dumps(p))
+    assert p["tree"] == "chain=2" and p["target_sha256"] is None and p["cpu"]
+    row = p["rows"]["1"]
+    assert row["widths"] == [1, 2, 3] and row["draft_s"] > 0 and all(v > 0 for v in row["verify_s"])
+    assert all(a <= b for a, b in zip(row["round_s"], row["round_s"][1:]))  # non-decreasing in the width
+    assert all(c >= row["draft_s"] + v - 1e-12 for c, v in zip(row["round_s"], row["verify_s"]))
+    assert costs_from_profile(p, 4, (1, 2, 3)) == tuple(row["round_s"])
+
+
+def test_costs_from_profile():
+    import pytest
+
+    from specjax.profile import costs_from_profile, profile_batch
+    rows = {str(b): {"widths": [1, 3, 5], "round_s": [b, b + 1, b + 2]} for b in (2, 4, 16)}
+    p = {"tree": "chain=4", "rows": rows}
+    assert [profile_batch(p, b) for b in (1, 2, 3, 4, 15, 16, 64)] == [2, 2, 2, 4, 4, 16, 16]
+    assert costs_from_profile(p, 8, [1, 3, 5]) == (4.0, 5.0, 6.0)
+    with pytest.raises(ValueError, match="rerun python tools/profile_widths.py"):
+        costs_from_profile(p, 8, (1, 2, 3, 5))
+    with pytest.raises(ValueError, match="profile_widths"):
+        costs_from_profile({"rows": {"1": {"widths": [1]}}}, 1, (1,))

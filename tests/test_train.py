@@ -86,6 +86,10 @@ def test_config_files_parse():
     for name in ("code-target-feature", "code-target-hybrid-feature"):
         fcfg = feature.load_config(lm.REPO / "configs" / f"{name}.json")
         assert fcfg.seq_len <= 512  # short-context drafters: FOLD's ablation relies on it
+    from train import block
+    for name in ("code-target-dspark", "code-target-hybrid-dspark"):  # at least the feature drafters' budget
+        bcfg = block.load_config(lm.REPO / "configs" / f"{name}.json")
+        assert bcfg.steps * bcfg.batch_size * bcfg.seq_len >= 1_228_800
 
 
 def test_data_order_is_a_function_of_seed_and_step(zoo):
@@ -296,6 +300,50 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     ref = specjax.generate(target, prompts, max_new_tokens=12)
     got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")
     assert got.sequences() == ref.sequences()
+
+
+# ----------------------------------------------------------------------------- block drafter (DSpark)
+
+def _block_cfg(zoo, full_run, **kw):
+    from train import block
+    base = dict(name="tiny-dspark", target=str(full_run["export"]), block_size=4, num_layers=1, markov_rank=8,
+                anchors=4, seq_len=32, batch_size=4, steps=8, learning_rate=3e-3, warmup_steps=2,
+                checkpoint_every=3, eval_every=4, eval_tokens=256, manifest=str(zoo["manifest"]),
+                corpus_root=str(zoo["root"]))
+    base.update(kw)
+    return block.BlockTrainConfig(**base)
+
+
+def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full_run):
+    import specjax
+    from specjax.drafters import BlockDrafter, load_drafter
+    from train import block, model_card
+
+    cfg = _block_cfg(zoo, full_run)
+    straight = block.train(cfg, zoo["base"] / "blk-straight", zoo["base"] / "blk-export", progress=False)
+    metrics = [json.loads(l) for l in (zoo["base"] / "blk-straight" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and len(metrics[-1]["val_accept"]) == 4
+    assert metrics[-1]["val_loss"] < metrics[0]["val_loss"] + 0.5
+    block.train(cfg, zoo["base"] / "blk-resume", max_steps=5, progress=False)  # stopped at 5, resumed
+    resumed = block.train(cfg, zoo["base"] / "blk-resume", progress=False)
+    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(lm.RunRefused, match="different run"):
+        block.train(_block_cfg(zoo, full_run, anchors=3), zoo["base"] / "blk-resume", progress=False)
+    info = json.loads((zoo["base"] / "blk-export" / "train_info.json").read_text())
+    assert len(info["calibration"]["temperatures"]) == 4 and info["timing"]["tokens_per_s"] > 0
+    assert info["block_positions_trained"] == 8 * 4 * 4 * 4
+    card, _ = model_card.block_card(zoo["base"] / "blk-export")
+    assert "acceptance by position" in card and f"configs/{cfg.name}.json" in card
+    target = load_model(str(full_run["export"]))
+    drafter = load_drafter(str(zoo["base"] / "blk-export"), target, target_path=str(full_run["export"]), confidence=0.3)
+    assert isinstance(drafter, BlockDrafter) and drafter.head.config.confidence_temperatures is not None
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
+    ref = specjax.generate(target, prompts, max_new_tokens=12)
+    got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=4")
+    assert got.sequences() == ref.sequences()
+    (zoo["base"] / "blk-config.json").write_text(json.dumps(info["run"]["config"]))
+    assert block.load_config(zoo["base"] / "blk-config.json") == cfg
 
 
 # ----------------------------------------------------------------------------- hybrid target

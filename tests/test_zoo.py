@@ -13,7 +13,7 @@ from train import lm, zoo
 REPO = Path(__file__).resolve().parents[1]
 ZOO = json.loads(zoo.ZOO_JSON.read_text()) if zoo.ZOO_JSON.exists() else {"models": {}}
 LMS = [n for n, r in ZOO["models"].items() if r["kind"] == "lm"]
-FEATURES = [n for n, r in ZOO["models"].items() if r["kind"] == "feature"]
+FEATURES = [n for n, r in ZOO["models"].items() if r["kind"] in ("feature", "block")]  # drafters on a target
 
 
 def test_tokenizer_is_shipped_and_round_trips():
@@ -69,7 +69,10 @@ def _check_feature(name):
     target_dir = REPO / "models" / want["target"]
     target = load_model(str(target_dir))
     assert zoo.draft_chain(d, target, zoo.prompt_ids(load_tokenizer(str(target_dir)))) == want["draft_chain"]
-    assert "top-1 agreement" in (d / "README.md").read_text()
+    card = (d / "README.md").read_text()
+    assert ("top-1 agreement" if want["kind"] == "feature" else "acceptance by position") in card
+    if want["kind"] == "block":  # the zoo stays lean: own parameters only, bf16, well under 20 MB
+        assert want["bytes"] < 16e6
 
 
 @pytest.mark.parametrize("name", ["code-target", "code-target-hybrid"])

@@ -4,13 +4,26 @@ For each method (autoregressive; chain and tree with each drafter; greedy and te
 latter with the deterministic-candidates rule and, for a drafter with a distribution, the sampled one):
 tokens/s, speedup over our autoregressive loop measured in the same run, tau (mean acceptance
 length, bonus included) and per-depth acceptance, medians over repeats after untimed warm-up
-calls (one per prompt-length bucket, so every shape is compiled before timing). Greedy methods are checked token for token against greedy autoregressive output; a
+calls (one per prompt-length bucket, so every shape is compiled before timing).
+
+Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation) draft a chain of their block
+size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
+profile of this machine (`--verify-profile`, from tools/profile_widths.py), under the DSpark
+scheduler; one loaded head serves every variant. Two more columns per speculative method:
+  draft ms / round   the drafter's propose + commit alone, jitted: 16 pairs in one `fori_loop`
+                     carrying the drafter's state (`tools.profile_widths.draft_seconds`), on the
+                     state after a prefill of the first batch of prompts and one real round;
+                     median of calls after a warm-up, / 16. Greedy candidates, or sampled ones for
+                     the sampled rule;
+  mean verify width  tree nodes the target verified per round (root included; below the tree's
+                     node count when a drafter cuts its drafts), from the engine's stats. Greedy methods are checked token for token against greedy autoregressive output; a
 divergence counts as an honest near-tie only where the target's top-2 logits are within 1e-4.
 With `--hf`, transformers' assisted generation (assistant_model = the same draft weights, and
 prompt lookup) runs on the same prompts as the peer (batch 1, its only mode).
 
     python tools/bench.py                      # the zoo: models/code-target (+ code-draft, code-target-feature)
     python tools/bench.py --smoke              # tiny random models, seconds (what the test runs)
+    python tools/bench.py --methods "dspark chain=8,dspark chain=8 schedule,dflash chain=8"
 
 Writes bench/<out>.md, .json and .png. Float32 on CPU.
 """
@@ -37,8 +50,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.drafters import LMDrafter, NgramDrafter, load_drafter  # noqa: E402
+from specjax import tree as tree_lib  # noqa: E402
+from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
+from specjax.profile import costs_from_profile, default_profile_name, load_profile  # noqa: E402
+from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
 
 NEAR_TIE = 1e-4
 
@@ -50,13 +66,36 @@ class Method:
     tree: str | None = None
     temperature: float = 0.0
     verify: str | None = None  # None: the engine's default rule (greedy at T=0, deterministic candidates at T>0)
+    confidence: object = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
+    costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
 
 
-def default_methods(drafters: dict) -> list[Method]:
+def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
+    """A block drafter's chain of its block size: confidence off, at `threshold` and (given costs)
+    scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only)."""
+    chain = f"chain={drafter.head.config.block_size}"
+    variants = [("", "off", None)]
+    if drafter.head.config.confidence:
+        variants.append((f" conf={threshold:g}", threshold, None))
+        if schedule_costs is not None:
+            variants.append((" schedule", "schedule", tuple(schedule_costs)))
+    out = []
+    for suffix, conf, costs in variants:
+        base = f"{name} {chain}{suffix}"
+        out += [Method(base, name, chain, confidence=conf, costs=costs),
+                Method(f"{base} T=1", name, chain, 1.0, confidence=conf, costs=costs),
+                Method(f"{base} T=1 sampled", name, chain, 1.0, verify="sampled", confidence=conf, costs=costs)]
+    return out
+
+
+def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict | None = None) -> list[Method]:
     out = [Method("ar", None), Method("ar T=1", None, temperature=1.0)]
     trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "depth=6,topk=6,nodes=24"),
              "ngram": ("chain=6", "depth=6,topk=3,nodes=16")}
-    for name in drafters:
+    for name, drafter in drafters.items():
+        if isinstance(drafter, BlockDrafter):
+            out += block_methods(name, drafter, threshold, (schedule_costs or {}).get(name))
+            continue
         for t in trees.get(name, ("chain=4",)):
             out.append(Method(f"{name} {t}", name, t))
         chain = trees.get(name, ("chain=4",))[0]
@@ -80,10 +119,25 @@ def warmup_groups(groups):
     return list(seen.values())
 
 
-def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0) -> dict:
+def method_drafter(target, drafters, m: Method):
+    """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
+    d = drafters[m.drafter]
+    if m.confidence != "off" or m.costs is not None:
+        if not isinstance(d, BlockDrafter):
+            raise ValueError(f"method {m.name!r}: a confidence cut needs a block drafter")
+        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs)
+    return d
+
+
+def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
+               draft_ms: dict | None = None) -> dict:
+    """One method's row. `draft_ms`: a cache {(drafter, confidence, tree, mode): ms} of the
+    drafter's propose + commit timed alone (see the module docstring); None skips that timing."""
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
+    drafter = None
     if m.drafter is not None:
-        kw.update(drafters=[drafters[m.drafter]], tree=m.tree, verify=m.verify)
+        drafter = method_drafter(target, drafters, m)
+        kw.update(drafters=[drafter], tree=m.tree, verify=m.verify)
     for g in warmup_groups(groups):  # compile every prompt bucket (untimed), so repeats time decoding only
         specjax.generate(target, g, seed=seed, **kw)
     times, results = [], None
@@ -101,10 +155,33 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
         at_depth = np.concatenate([x.stats["accepted_at_depth"] for x in results])
         row["tau"] = float(1 + acc.sum() / max(rounds.sum(), 1))
         row["depth_acceptance"] = (at_depth.sum(0) / max(rounds.sum(), 1)).round(3).tolist()
+        width = mean_verify_width(results)
+        if width is not None:
+            row["mean_verify_width"] = width
+        if all("drafted" in x.stats and "draft_rounds" in x.stats for x in results):  # a block drafter's
+            drafted = sum(int(x.stats["drafted"].sum()) for x in results)
+            row["mean_draft_len"] = drafted / max(sum(int(x.stats["draft_rounds"].sum()) for x in results), 1)
+        if draft_ms is not None:
+            mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
+            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode)
+            if key not in draft_ms:
+                draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
+                                                     mode=mode)
+            row["draft_ms"] = draft_ms[key]
     else:
         row["tau"] = 1.0
     row["sequences"] = [s for x in results for s in x.sequences()]
     return row
+
+
+def mean_verify_width(results) -> float | None:
+    """Tree nodes the target verified per round over all rows (None when the engine does not say)."""
+    rounds = sum(int(x.stats["rounds"].sum()) for x in results)
+    if all("verified_nodes" in x.stats for x in results):
+        return sum(int(x.stats["verified_nodes"].sum()) for x in results) / max(rounds, 1)
+    if all("mean_verify_width" in x.stats for x in results):  # per-row means, weighted by rounds
+        return sum(float((x.stats["mean_verify_width"] * x.stats["rounds"]).sum()) for x in results) / max(rounds, 1)
+    return None
 
 
 def greedy_check(target, prompts, reference, candidate) -> dict:
@@ -180,11 +257,51 @@ def smoke_models(seed=0):
 
 
 def smoke_setup(seed=0):
-    """The smoke models, n-gram, and random repetitive prompts."""
-    _, target, draft = smoke_models(seed)
+    """The smoke models, n-gram, tiny random block drafters (DSpark and DFlash, block 4), and
+    random repetitive prompts."""
+    cfg, target, draft = smoke_models(seed)
     rng = np.random.default_rng(seed)
     prompts = [(rng.integers(0, 64, 6).tolist() * 6)[: int(rng.integers(12, 36))] for _ in range(4)]
-    return target, {"lm": LMDrafter(draft), "ngram": NgramDrafter()}, prompts
+    return target, {"lm": LMDrafter(draft), "ngram": NgramDrafter(),
+                    "dspark": BlockDrafter(smoke_block_head(cfg, block_size=4, seed=seed), target),
+                    "dflash": BlockDrafter(smoke_block_head(cfg, block_size=4, markov_rank=0, seed=seed), target)}, \
+        prompts
+
+
+def smoke_profile(widths) -> dict:
+    """A made-up verify-width profile for --smoke (round seconds growing with the width)."""
+    return {"tree": f"chain={widths[-1] - 1}", "cpu": "made up (smoke)",
+            "rows": {"1": {"widths": list(widths), "round_s": [1e-3 * (1 + 0.15 * w) for w in widths]}}}
+
+
+def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]:
+    """({block drafter name: costs}, profile path) for the DSpark scheduler at --batch. An explicit
+    --verify-profile that does not fit is an error; the default one (bench/verify_profile_<target>.json)
+    is skipped with a note when missing or made for other widths."""
+    out, used = {}, None
+    for name, d in drafters.items():
+        if not (isinstance(d, BlockDrafter) and d.head.config.confidence):
+            continue
+        chain = f"chain={d.head.config.block_size}"
+        widths = BlockDrafter(d.head, target, confidence=args.dspark_threshold).verify_widths(
+            tree_lib.parse_tree_spec(chain))
+        if args.smoke and not args.verify_profile:
+            out[name], used = costs_from_profile(smoke_profile(widths), args.batch, widths), "made up (smoke)"
+            continue
+        path = args.verify_profile or str(REPO / "bench" / default_profile_name(args.target))
+        if not os.path.isfile(path):
+            if args.verify_profile:
+                raise ValueError(f"--verify-profile {path}: no such file")
+            log(f"[bench] no verify-width profile {path}: no '{name} {chain} schedule' methods "
+                f"(make one: python tools/profile_widths.py --target {args.target} --batch {args.batch})")
+            continue
+        try:
+            out[name], used = costs_from_profile(load_profile(path), args.batch, widths), path
+        except ValueError as e:
+            if args.verify_profile:
+                raise
+            log(f"[bench] {e}: no '{name} {chain} schedule' methods")
+    return out, used
 
 
 def zoo_setup(args):
@@ -197,6 +314,9 @@ def zoo_setup(args):
         drafters["lm"] = load_drafter(args.draft, target)
     if args.feature and os.path.isdir(args.feature):
         drafters["feature"] = load_drafter(args.feature, target, target_path=args.target)
+    for name, d in (("dspark", args.dspark), ("dflash", args.dflash)):  # block drafters, where trained
+        if d and os.path.isdir(d):
+            drafters[name] = load_drafter(d, target, target_path=args.target)
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
@@ -211,17 +331,23 @@ def write_outputs(rows, meta, out: Path):
              f"load average before the run {meta['load_avg']}.", "",
              f"Command: `{meta['command']}`", "",
              f"| method | tokens/s | speedup vs our AR | vs {meta.get('hf_peer') or 'transformers (not run)'} | tau | "
-             "per-depth acceptance | greedy check (exact / near-tie / mismatch) |",
-             "|---|---:|---:|---:|---:|---|---|"]
+             "per-depth acceptance | draft ms / round | mean verify width | greedy check (exact / near-tie / mismatch) |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
         if "unsupported" in r:
-            lines.append(f"| {r['method']} | unsupported: {r['unsupported']} | | | | | |")
+            lines.append(f"| {r['method']} | unsupported: {r['unsupported']} | | | | | | | |")
             continue
         chk = r.get("check")
         check = "" if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
         vs_hf = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
+        draft = f"{r['draft_ms']:.2f}" if "draft_ms" in r else ""
+        width = f"{r['mean_verify_width']:.2f}" if "mean_verify_width" in r else ""
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | {vs_hf} | "
-                     f"{r.get('tau', float('nan')):.2f} | {r.get('depth_acceptance', '')} | {check} |")
+                     f"{r.get('tau', float('nan')):.2f} | {r.get('depth_acceptance', '')} | {draft} | {width} | {check} |")
+    lines += ["", "Draft ms / round: the drafter's propose + commit alone, jitted (16 in one `fori_loop` on the state "
+              "after a prefill of the first batch and one round; median after a warm-up). Mean verify width: tree "
+              "nodes the target verified per round, root included (below the tree's size when drafts are cut)."
+              + (f" DSpark schedule costs: {meta['verify_profile']}." if meta.get("verify_profile") else "")]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "sequences"}
                                                                             for r in rows]}, indent=2) + "\n")
@@ -247,6 +373,17 @@ def main(argv=None):
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
     ap.add_argument("--feature", default=None,
                     help="feature drafter (default: the target's own, TARGET-feature, where it exists; '' for none)")
+    ap.add_argument("--dspark", default=None,
+                    help="DSpark block drafter (default: TARGET-dspark where it exists; '' for none)")
+    ap.add_argument("--dflash", default=None,
+                    help="DFlash block drafter, the DSpark ablation without the Markov / confidence heads "
+                         "(default: TARGET-dflash where it exists; '' for none)")
+    ap.add_argument("--dspark-threshold", type=float, default=0.5,
+                    help="confidence threshold of the 'dspark ... conf=T' methods (default 0.5)")
+    ap.add_argument("--verify-profile", default=None,
+                    help="verify-width profile for the 'dspark ... schedule' methods (default: "
+                         "bench/verify_profile_<target name>.json where it exists; tools/profile_widths.py)")
+    ap.add_argument("--no-draft-ms", action="store_true", help="skip timing each drafter's propose + commit alone")
     ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests"])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
@@ -260,6 +397,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.feature is None:  # a feature drafter reads its own target's features: never another target's
         args.feature = f"{args.target.rstrip('/')}-feature"
+    if args.dspark is None:  # block drafters read their own target's features too
+        args.dspark = f"{args.target.rstrip('/')}-dspark"
+    if args.dflash is None:
+        args.dflash = f"{args.target.rstrip('/')}-dflash"
+    if not 0 < args.dspark_threshold < 1:
+        ap.error(f"--dspark-threshold must be in (0, 1), got {args.dspark_threshold}")
 
     if args.smoke:
         target, drafters, prompts = smoke_setup()
@@ -268,16 +411,22 @@ def main(argv=None):
         if not os.path.isdir(args.target):
             ap.error(f"{args.target}: no target model (train the zoo: make models)")
         target, drafters, prompts = zoo_setup(args)
-    methods = default_methods(drafters)
+    try:
+        costs, profile_used = schedule_costs(args, target, drafters,
+                                             log=lambda s: print(s, file=sys.stderr, flush=True))
+    except ValueError as e:
+        ap.error(str(e))
+    methods = default_methods(drafters, args.dspark_threshold, costs)
     if args.methods:
         keep = set(args.methods.split(","))
         methods = [m for m in methods if m.name in keep or m.drafter is None]
     groups = batches(prompts, args.batch)
     flat = [p for g in groups for p in g]
     rows, ar, meta_hf = [], {}, None
+    draft_ms = None if args.no_draft_ms else {}
     for m in methods:
         print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
-        row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats)
+        row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms)
         row["temperature"] = m.temperature
         if m.drafter is None:
             ar[m.temperature] = row
@@ -313,7 +462,7 @@ def main(argv=None):
             "batch": args.batch, "repeats": args.repeats, "device": jax.devices()[0].device_kind,
             "platform": platform.platform(), "cpu": cpu_model(), "load_avg": os.getloadavg()[0],
             "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "hf_peer": meta_hf}
+            "hf_peer": meta_hf, "verify_profile": profile_used, "dspark_threshold": args.dspark_threshold}
     write_outputs(rows, meta, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]

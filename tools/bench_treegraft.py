@@ -54,7 +54,9 @@ from specjax.treegraft import RoundStepper, TreeGraft  # noqa: E402
 from tools.bench import cpu_model  # noqa: E402
 from train.lm import repo_relative  # noqa: E402
 
-PAIRS = ("ngram+feature", "feature+lm", "ngram+lm")
+# A block drafter (DSpark) rescores exactly in one pass (`can_score`), so it can be the strong drafter;
+# as the cheap one it would need trees larger than the verify budget (tree-shaped block drafting).
+PAIRS = ("ngram+feature", "feature+lm", "ngram+lm", "ngram+dspark")
 SETS = ("functions", "docstrings", "tests", "long")
 METHODS = ("cheap-only", "strong-only", "never", "always", "scheduler", "oracle")
 
@@ -91,7 +93,7 @@ def zoo_setup(args):
     target = specjax.load_model(args.target)
     tok = load_tokenizer(args.target)
     drafters = {"ngram": NgramDrafter()}
-    for name, path in (("lm", args.draft), ("feature", args.feature)):
+    for name, path in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
         if os.path.isdir(path):
             drafters[name] = load_drafter(path, target, target_path=args.target)
     eval_sets = {}
@@ -305,6 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="the lm drafter")
     ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="the feature drafter")
+    ap.add_argument("--dspark", default=str(REPO / "models/code-target-dspark"), help="the block drafter (DSpark)")
     ap.add_argument("--pairs", default=",".join(PAIRS), help="cheap+strong pairs (default: %(default)s)")
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--prompts-per-set", type=int, default=8)
@@ -362,7 +365,7 @@ def main(argv=None) -> int:
             else:
                 from train.value_system import sha256_of
                 values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
-                paths = {"lm": args.draft, "feature": args.feature, "ngram": "ngram"}
+                paths = {"lm": args.draft, "feature": args.feature, "dspark": args.dspark, "ngram": "ngram"}
                 prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
                                    **{role: {"spec": repo_relative(paths[n]) if n != "ngram" else n, "kind": n,
                                              "sha256": sha256_of(paths[n])}

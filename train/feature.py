@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
+from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import feature as F
 from specjax.models import family, transformer
-from train import data
+from train import data, drafter_run
 from train.lm import REPO, RunRefused, _resolve, load_streams_for
-
-RESUMABLE = ("steps", "checkpoint_every", "eval_every")
-
 
 @dataclasses.dataclass(frozen=True)
 class FeatureTrainConfig:
@@ -67,14 +63,7 @@ class FeatureTrainConfig:
 
 
 def load_config(path) -> FeatureTrainConfig:
-    raw = json.loads(Path(path).read_text())
-    if raw.get("target_layers") is not None:
-        raw["target_layers"] = tuple(raw["target_layers"])
-    fields = {f.name for f in dataclasses.fields(FeatureTrainConfig)}
-    unknown = set(raw) - fields
-    if unknown:
-        raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
-    return FeatureTrainConfig(**raw)
+    return drafter_run.load_config(FeatureTrainConfig, path)
 
 
 def head_config(cfg: FeatureTrainConfig, target) -> F.FeatureConfig:
@@ -110,12 +99,7 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
     hcfg = head_config(cfg, target)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
-                                                  max(cfg.steps, cfg.warmup_steps + 1),
-                                                  cfg.learning_rate * cfg.min_lr_ratio)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                     optax.adamw(schedule, weight_decay=cfg.weight_decay,
-                                 mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    schedule, tx = drafter_run.optimizer(cfg)
 
     def loss_of(params, tokens):
         return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
@@ -140,32 +124,12 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
     return target, hcfg, head_def, train_step, eval_step, init
 
 
-def _identity(cfg: FeatureTrainConfig, target_dir: Path) -> dict:
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
-    d["target_layers"] = list(d["target_layers"]) if d["target_layers"] else None
-    d["target_sha256"] = weights_sha256(target_dir)
-    return d
-
-
 def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True):
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
-    if export_dir is not None and (export_dir / "model.safetensors").exists() and not overwrite:
-        raise RunRefused(f"{export_dir} already holds a trained drafter; pass --overwrite to replace it.")
-    identity = _identity(cfg, target_dir)
-    stored = run_dir / "run.json"
-    if run_dir.exists() and overwrite:
-        shutil.rmtree(run_dir)
-    elif stored.exists():
-        old = json.loads(stored.read_text())
-        diffs = [f"{k}: run dir has {old.get(k)!r}, now {identity.get(k)!r}"
-                 for k in sorted(set(old) | set(identity)) if old.get(k) != identity.get(k)]
-        if diffs:
-            raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs)
-                             + "\nUse another --run-dir, or --overwrite.")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stored.write_text(json.dumps(identity, indent=2) + "\n")
+    identity = drafter_run.identity(cfg, target_dir)
+    drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
     target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))
     tok = load_tokenizer(str(target_dir))
@@ -173,10 +137,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
 
     state = jax.device_put(init(), jax.devices()[0])
-    mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(
-        max_to_keep=3, save_interval_steps=cfg.checkpoint_every, create=True))
-    if mngr.latest_step() is not None:
-        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
     start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
     t_last, n_tok = time.perf_counter(), 0
@@ -215,8 +176,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
 def train_info(cfg: FeatureTrainConfig, identity: dict, record: dict) -> dict:
     """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
     read), the target's weights digest, the positions trained on, the final validation record."""
-    config = dataclasses.asdict(cfg)
-    config["target_layers"] = list(config["target_layers"]) if config["target_layers"] else None
+    config = drafter_run.config_record(cfg)
     return {"run": {"config": config, "target_sha256": identity["target_sha256"]},
             "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
 

@@ -3,6 +3,7 @@ fresh test-split evaluation, so every number in a card was measured by this comm
 
     python -m train.model_card --model models/code-target [--max-tokens N]
     python -m train.model_card --model models/code-target-feature
+    python -m train.model_card --model models/code-target-dspark
 
 An LM card (a Hugging Face directory from `train.lm`): architecture and parameter count, the
 corpus and its splits, the training phases and tokens seen, validation loss at export, test-split
@@ -165,6 +166,76 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
+def block_card(model_dir: Path) -> tuple[str, dict]:
+    """The card of a block drafter (DSpark / DFlash, `train.block`)."""
+    dcfg = json.loads((model_dir / "drafter_config.json").read_text())
+    info = json.loads((model_dir / "train_info.json").read_text())
+    run, final, timing, calib = info["run"], info["final"], info["timing"], info.get("calibration")
+    cfg = run["config"]
+    name = cfg["name"]
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(str(model_dir / "model.safetensors"))
+    n_params = sum(v.size for v in tensors.values())
+    size = (model_dir / "model.safetensors").stat().st_size
+    W = dcfg["block_size"]
+    kind = "DFlash (no Markov head, no confidence head)" if dcfg["markov_rank"] == 0 else (
+        f"DSpark: Markov head of rank {dcfg['markov_rank']} ({dcfg['markov']})"
+        + (", confidence head" if dcfg["confidence"] else ""))
+    fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    heldout = (f"on {calib['heldout_blocks']} held-out blocks; fitted on {calib['fit_blocks']}" if calib and "heldout_blocks"
+               in calib else "on the blocks it was fitted on")
+    calib_text = "" if not calib else f"""
+## Confidence calibration
+Sequential temperature scaling on the validation blocks (per position, left to right, minimising the
+ECE of the cumulative product of confidences against "all positions up to k accepted"; the labels
+are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
+{fmt(calib['ece_before'])}, after {fmt(calib['ece_after'])} ({heldout}).
+"""
+    command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
+    card = f"""# {name}
+
+One-pass block drafter for `{cfg['target']}` (`specjax/drafters/block.py`, design §5b), {kind}.
+A block of {W} positions ([anchor, MASK x {W - 1}]) is drafted in one forward of {dcfg['num_layers']} decoder
+layers (SwiGLU {dcfg['intermediate_size']}, q/k norm, non-causal inside the block) whose keys and values
+are the target's fused hidden states after layers {dcfg['target_layers']} plus the block; the target's
+embedding and LM head are shared (not stored here). {n_params / 1e6:.2f}M parameters of its own, stored
+in bf16: `model.safetensors` is {size / 1e6:.1f} MB. `specjax.drafters.load_drafter` reads it for that
+target only (vocabulary and width checked; given `target_path`, the weights digest in `train_info.json`).
+
+## Training
+`train/block.py`, config `configs/{name}.json`: {cfg['anchors']} anchors per train-split window of
+{cfg['seq_len']} tokens, batch {cfg['batch_size']}, {cfg['steps']} steps: {info['tokens_trained']:,} target positions,
+{info['block_positions_trained']:,} drafted block positions. Loss {cfg['ce_weight']:g}·CE + {cfg['l1_weight']:g}·Σ_k exp(−k/{cfg['decay']:g})·‖p_d − p_t‖₁
++ BCE(c_k, 1 − ½‖p_d − p_t‖₁), the Markov head teacher-forced; AdamW lr {cfg['learning_rate']:g}, warm-up
+{cfg['warmup_steps']}, cosine decay. Training steps took {timing['train_step_s'] / 60:.1f} min
+({timing['tokens_per_s']:,.0f} target tokens/s; wall {timing['wall_s'] / 60:.1f} min with evaluation and
+checkpoints) on this repository's CPU machine.
+
+## Evaluation (validation split, {final['val_blocks']} blocks)
+Each block drafted as in decoding: greedy through the Markov head with the drafter's own previous
+token. Compared with the target's argmax given the data (an estimate of acceptance: the target is
+conditioned on the data, not on the draft; `tools/bench.py` measures the real τ).
+
+| position | 1 → {W} |
+|---|---|
+| agreement with the target | {fmt(final['val_agree'])} |
+| acceptance by position (all up to k agree) | {fmt(final['val_accept'])} |
+| agreement, Markov input teacher-forced | {fmt(final['val_agree_teacher_forced'])} |
+| ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
+
+Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
+{calib_text}
+## Reproduce
+```
+{command}
+python -m train.model_card --model models/{name}
+```
+"""
+    return card, {"name": model_dir.name, "config": name, "params": n_params, "bytes": size, "val": final,
+                  "calibration": calib}
+
+
 def _comparison(name: str, n_params: int, tokens: int, test: dict, others: tuple[Path, ...]) -> str:
     """A table of this model's test row next to other exports' (read from their eval.json)."""
     if not others:
@@ -202,7 +273,8 @@ def main(argv=None) -> None:
                     help="rewrite the card with the test result already in eval.json (same steps and tokens)")
     args = ap.parse_args(argv)
     if (args.model / "drafter_config.json").exists():
-        card, record = feature_card(args.model)
+        kind = json.loads((args.model / "drafter_config.json").read_text()).get("drafter")
+        card, record = block_card(args.model) if kind == "block" else feature_card(args.model)
     else:
         reuse = None
         if args.reuse_eval:

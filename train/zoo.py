@@ -39,7 +39,7 @@ def greedy_continuation(model, ids: list[int]) -> list[int]:
 
 
 def draft_chain(head_dir: Path, target, ids: list[int]) -> list[int]:
-    """The feature drafter's chain after the prompt (its proposal for the first round)."""
+    """A feature or block drafter's chain after the prompt (its proposal for the first round)."""
     import jax
     import jax.numpy as jnp
 
@@ -72,7 +72,8 @@ def record_for(d: Path, targets: dict) -> dict:
         check_feature_target(str(d), str(target_dir))  # a retrained target leaves its old head stale
         target = targets.setdefault(target_dir.name, load_model(str(target_dir)))
         tok = load_tokenizer(str(target_dir))
-        rec.update(kind="feature", target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))
+        kind = json.loads((d / "drafter_config.json").read_text())["drafter"]  # feature | block
+        rec.update(kind=kind, target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))
     else:
         model = targets.setdefault(d.name, load_model(str(d)))
         tok = load_tokenizer(str(d))
@@ -138,7 +139,7 @@ def check() -> list[str]:
         if problems:
             continue
         got = record_for(d, targets)
-        key = "draft_chain" if want["kind"] == "feature" else "greedy"
+        key = "greedy" if want["kind"] == "lm" else "draft_chain"
         if got[key] != want[key]:
             problems.append(f"{name}: {key} {got[key]} differs from the stored {want[key]}")
     for name, want in zoo.get("schedulers", {}).items():

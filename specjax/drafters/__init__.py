@@ -1,25 +1,34 @@
 """Drafters: one file each behind the protocol in `base`."""
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, SourceScores
+from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
 from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.ngram import NgramDrafter
 
-__all__ = ["Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
+__all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
-def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None):
+def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None):
     """A drafter from a command-line spec: `ngram` (or `ngram:N` for the longest n-gram), a
-    feature-drafter directory (`drafter_config.json`), or a Hugging Face model directory (lm).
+    feature- or block-drafter directory (`drafter_config.json`, its "drafter" key says which), or a
+    Hugging Face model directory (lm).
+    `confidence` / `costs`: a block drafter's confidence cut ("off", a threshold, or "schedule" with
+    round seconds per verify width; see `specjax.drafters.block.BlockDrafter`).
     `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters).
-    `target_path`: the target's directory; a feature drafter reads that target's hidden states, so
+    `target_path`: the target's directory; a feature or block drafter reads that target's hidden states, so
     one trained on other weights (its `train_info.json` records the digest) is refused: shapes
     alone do not tell two targets of the same size apart, and a foreign head silently drafts badly."""
     import os
 
+    import json
+
     from specjax.checkpoint import load_model
+    from specjax.drafters.block import load_block_head
     from specjax.drafters.feature import load_feature_head
 
     if spec == "ngram" or spec.startswith("ngram:"):
+        if confidence not in (None, "off") or costs is not None:
+            raise ValueError("a confidence cut needs a block drafter (DSpark); the n-gram drafter is not")
         n = spec.partition(":")[2]
         if n and not n.isdigit():
             raise ValueError(f"drafter {spec!r}: expected ngram or ngram:N")
@@ -29,9 +38,26 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
         return NgramDrafter(max_ngram=int(n)) if n else NgramDrafter()
     if not os.path.isdir(spec):
         raise ValueError(f"drafter {spec!r}: not 'ngram' and no such directory")
-    if os.path.exists(os.path.join(spec, "drafter_config.json")):
+    config_file = os.path.join(spec, "drafter_config.json")
+    kind = None
+    if os.path.exists(config_file):
+        try:
+            with open(config_file) as f:
+                kind = json.load(f).get("drafter")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{config_file}: unreadable ({e})") from None
+        if kind not in ("feature", "block"):
+            raise ValueError(f"{config_file}: unknown drafter kind {kind!r} (feature or block)")
         if target_path is not None:
             check_feature_target(spec, target_path)
+    if kind != "block" and (confidence not in (None, "off") or costs is not None):
+        raise ValueError("a confidence cut needs a block drafter (DSpark); this one is not")
+    if kind == "block":
+        if fold is not None:
+            raise ValueError("FOLD is not built for block drafters (use it with an lm or feature drafter)")
+        return BlockDrafter(load_block_head(spec, dtype=target.config.dtype), target, confidence=confidence,
+                            costs=costs)
+    if kind == "feature":
         return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)
 
@@ -56,5 +82,5 @@ def check_feature_target(head_dir: str, target_path: str) -> None:
         return
     actual = weights_sha256(target_path)
     if actual != trained_on:
-        raise ValueError(f"feature drafter {head_dir} was trained on target weights {trained_on[:12]}…, but "
-                         f"{target_path} holds {actual[:12]}… (train one for this target: python -m train.feature)")
+        raise ValueError(f"drafter {head_dir} was trained on target weights {trained_on[:12]}…, but "
+                         f"{target_path} holds {actual[:12]}… (train one for this target: python -m train.feature / train.block)")

@@ -23,12 +23,19 @@ capabilities (class attributes, read on the host; never a check of the drafter's
     attends              it has attention that FOLD can replace (`with_fold`)
     drafts_matches       its candidates are copied matches (n-gram), free and unscored: TreeGraft takes
                          its trie as the cheap tree as is (no larger-than-budget expansion by q)
+    default_tree         the tree spec used when the caller gives none (default "chain=4"; a block
+                         drafter: its block)
 
 hooks (host side, before tracing)
     check_tree(spec, rule) -> scratch slots it needs past each cache's committed length; raises
                          ValueError on a setup it cannot draft (default: sampled rules need gives_q)
     validate(capacity)   its own checks against the cache capacity (default: none)
     with_fold(cfg)       the same drafter (same weights) with FOLD on (cfg) or off (None)
+    verify_widths(spec) -> the static tree widths (node counts, root included, ascending, the last
+                         spec.num_nodes) the program compiles verification for; each round verifies
+                         the smallest that holds every active row's last valid node (`lax.switch`,
+                         design §3b). Default (spec.num_nodes,): one width, no switch. A drafter that
+                         cuts its drafts (trailing nodes invalid) returns several, e.g. (1, 3, 5, 9)
 
 hooks (traced)
     score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
@@ -57,6 +64,7 @@ class DraftContext:
     params: SamplingParams  # traced: how q is warped when children are sampled
     key: jax.Array
     features: Any = None  # target features at the root (feature drafters)
+    active: Any = None  # bool [B]: rows still generating (None: all); a finished row's draft is never verified
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +113,7 @@ class Drafter(nnx.Module):
     reads_target_state: ClassVar[bool] = False
     attends: ClassVar[bool] = False
     drafts_matches: ClassVar[bool] = False
+    default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
 
     # -- the protocol (traced)
 
@@ -140,6 +149,14 @@ class Drafter(nnx.Module):
             return self
         raise ValueError(f"FOLD changes a drafter's attention; the {self.name!r} drafter has none "
                          "(use it with an lm or feature drafter)")
+
+    def verify_widths(self, spec: TreeSpec) -> tuple[int, ...]:
+        """On the host before tracing: the tree widths (node counts, root included, ascending and
+        unique, the last == spec.num_nodes) the program compiles the target's verification for.
+        Each round runs the smallest width that holds every active row's last valid node, so a
+        drafter that cuts its drafts (marks trailing nodes invalid in `Proposal.tree.valid`) saves
+        the target's compute on the cut nodes (design §3b). Default: one width, the whole tree."""
+        return (spec.num_nodes,)
 
     def loop_stats(self, state) -> dict:
         """Extra per-row statistics of a whole generation, from the final state ({name: [B] array})."""

@@ -15,16 +15,15 @@ anchor and its own chain).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
+from specjax.drafters import heads
+from specjax.drafters.base import Committed, DraftContext, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
@@ -164,7 +163,7 @@ def target_features(out: transformer.ForwardOutput):
     return jnp.concatenate(out.hidden, axis=-1)
 
 
-class FeatureDrafter(Drafter):
+class FeatureDrafter(heads.HeadDrafter):
     name = "feature"
     gives_q = True
     can_score = True
@@ -172,13 +171,7 @@ class FeatureDrafter(Drafter):
 
     def __init__(self, head: FeatureHead, target: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
-        if head.config.vocab_size != target.config.vocab_size or head.config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"feature drafter was built for vocab {head.config.vocab_size} / width "
-                             f"{head.config.hidden_size}, the target has {target.config.vocab_size} / "
-                             f"{target.config.hidden_size}")
-        if max(head.config.target_layers) >= target.config.num_layers:
-            raise ValueError(f"feature drafter reads target layers {head.config.target_layers} but the target "
-                             f"has {target.config.num_layers}")
+        self.check_target(head.config, target, "feature")
         from specjax import fold as fold_lib
         self.head = head
         self.target = target  # shared: embedding and LM head
@@ -199,14 +192,6 @@ class FeatureDrafter(Drafter):
         """Called by the engine before tracing: FOLD's window must fit the cache."""
         from specjax import fold as fold_lib
         fold_lib.validate(self.fold, capacity)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.head.config.vocab_size
-
-    @property
-    def target_layers(self) -> tuple[int, ...]:
-        return self.head.config.target_layers
 
     def _empty_cache(self, B, capacity):
         c = self.head.config
@@ -292,42 +277,11 @@ class FeatureDrafter(Drafter):
 
 def save_feature_head(head: FeatureHead, path: str) -> None:
     """`drafter_config.json` + `model.safetensors` of the head only (the target is not copied)."""
-    from safetensors.numpy import save_file
-    import numpy as np
-    os.makedirs(path, exist_ok=True)
-    flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
-    tensors = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
-    cfg = dataclasses.asdict(head.config)
-    with open(os.path.join(path, "drafter_config.json"), "w") as f:
-        json.dump({"drafter": "feature", **cfg}, f, indent=2)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    heads.save_head(head, path, "feature")
 
 
 def load_feature_head(path: str, dtype=jnp.float32) -> FeatureHead:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-    cfg_file = os.path.join(path, "drafter_config.json")
-    if not os.path.exists(cfg_file):
-        raise FileNotFoundError(f"{cfg_file}: not a feature-drafter directory")
-    with open(cfg_file) as f:
-        raw = json.load(f)
-    if raw.pop("drafter", None) != "feature":
-        raise ValueError(f"{cfg_file}: not a feature drafter")
+    raw = heads.read_config(path, "feature")
     raw["target_layers"] = tuple(raw["target_layers"])
     cfg = FeatureConfig(**raw)
-    head = nnx.eval_shape(lambda: FeatureHead(cfg, nnx.Rngs(0), dtype))
-    file = os.path.join(path, "model.safetensors")
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{file}: corrupt safetensors file ({e})") from None
-    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
-    for key, var in flat.items():
-        name = ".".join(map(str, key))
-        if name not in tensors:
-            raise ValueError(f"{file}: missing tensor {name!r}")
-        if tuple(tensors[name].shape) != tuple(var.get_value().shape):
-            raise ValueError(f"{file}: tensor {name!r} has shape {tensors[name].shape}, expected {var.get_value().shape}")
-        var.set_value(jnp.asarray(tensors[name].astype("float32"), dtype))
-    nnx.update(head, nnx.from_flat_state(flat))
-    return head
+    return heads.load_params(nnx.eval_shape(lambda: FeatureHead(cfg, nnx.Rngs(0), dtype)), path, dtype)

@@ -12,6 +12,8 @@ target-agnostic through `family(model)`:
     extend(model, tokens, n, cache, hidden_layers)                 -> ForwardOutput (committed: length += n)
     reserve(cache, slots), release(cache)                          scratch for offset_B blocks, and back
     commit(cache, path, n_keep)                                    -> cache
+    pad_nodes(cache, num_nodes)                                    a `forward` cache over w nodes, shaped
+                                                                   as over num_nodes (verify widths)
     node_state_bytes(config), cache_bytes(config, B, capacity)     memory of a tree block / the cache
 """
 

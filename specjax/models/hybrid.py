@@ -22,6 +22,7 @@ the attention layers + the committed delta-rule and convolution states of the De
     extend(model, tokens, n, cache)                   chunked form on top of the committed state
     forward(model, tokens, positions, cache, block_mask, parents=...)   never commits
     commit(cache, path, n_keep)                       keeps the accepted path
+    pad_nodes(cache, num_nodes)                       per-node buffers of a narrower block, padded
     decode_step(model, tokens, cache)                 recurrent form, one token, commits
 
 `forward` treats the block as a tree (a causal block is the chain `parents = arange(T) - 1`):
@@ -553,6 +554,23 @@ def forward(model: HybridModel, tokens_BxT: Tokens, positions_BxT: Positions, ca
         node_conv = jnp.zeros((0, B, T) + cache.conv.shape[2:], cache.conv.dtype)
     out_cache = dataclasses.replace(cache, kv=kv, node_state=node_state, node_conv=node_conv)
     return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
+
+
+def pad_nodes(cache: HybridCache, num_nodes: int) -> HybridCache:
+    """The cache of a `forward` over the first w nodes of a tree, shaped as one over `num_nodes`
+    nodes (the engine's verify-width switch): `node_state` / `node_conv` zero-padded along the node
+    axis (2) to `num_nodes`. The padded nodes were not run; `commit` never picks them (they are
+    invalid, so never on an accepted path)."""
+    if cache.node_state is None:
+        raise ValueError("pad_nodes needs the per-node states of a forward block; run forward first")
+    w = cache.node_state.shape[2]
+    if w > num_nodes:
+        raise ValueError(f"cannot pad a block of {w} nodes to {num_nodes}")
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0), (0, 0), (0, num_nodes - w)] + [(0, 0)] * (x.ndim - 3))
+
+    return dataclasses.replace(cache, node_state=pad(cache.node_state), node_conv=pad(cache.node_conv))
 
 
 def reserve(cache: HybridCache, slots: int) -> HybridCache:

@@ -234,6 +234,12 @@ def commit(cache: KVCache, path_BxP, n_keep_B) -> KVCache:
     return kvcache.commit_path(cache, path_BxP, n_keep_B)
 
 
+def pad_nodes(cache: KVCache, num_nodes: int) -> KVCache:
+    """The cache of a `forward` over the first w nodes of a tree, shaped as one over `num_nodes`
+    nodes (the engine's verify-width switch): a KV cache's shape is its capacity, so unchanged."""
+    return cache
+
+
 def node_state_bytes(cfg: ModelConfig) -> int:
     """Per-node recurrent state of a tree block: none (K/V live in the cache's scratch slots)."""
     return 0

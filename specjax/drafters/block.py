@@ -1,0 +1,542 @@
+"""`block`: one-pass block drafting, DSpark (deepseek-ai/DeepSpec) and DFlash as its ablation
+(design §5b).
+
+One backbone forward drafts a whole block of W positions:
+
+    context   C = norm(fc(concat of the target's hidden states at `target_layers`)) at every
+              committed position; each backbone layer projects C with its own k/v weights (q/k norm,
+              RoPE at positions 0..start-1) into the drafter's cache, extended at commit with the
+              accepted tokens' features (like any cache, a rejected draft is never written)
+    block     [anchor, MASK x (W-1)] at positions start..start+W-1: the anchor (the round's root,
+              the bonus token) through the target's frozen embedding, MASK a learned vector
+    layers    N decoder layers, queries from the block only, keys / values = context + block,
+              non-causal inside the block
+    output    final norm -> the target's frozen LM head -> base logits b_k [B, W, V]; position k
+              predicts the token at start+k+1
+    Markov    logits_k = b_k + W2(W1[x_{k-1}]), x_{-1} = anchor (rank r; r = 0 is DFlash): drafting
+              walks the positions through this cheap head only
+    confidence c_k = sigmoid(w.[h_k; W1[x_{k-1}]] / T_k), T_k the per-position temperatures of
+              sequential temperature scaling (calibrated after training, stored with the drafter)
+
+Confidence cuts (a cut only removes proposals, so every rule stays lossless):
+    off          the whole block (up to the tree's depth) is verified
+    threshold t  each row's draft stops before its first position with c_k < t; the round verifies
+                 the smallest compiled width holding the longest kept draft, and every row drafts
+                 up to it (free: rows are padded to the width)
+    schedule     the DSpark scheduler's objective: survival a_{b,i} = prod_{j<=i} c_{b,j}; expected
+                 throughput (bonus + expected accepted tokens) / cost(verify width), maximised over
+                 the compiled widths (`schedule_keep` says why not pair by pair); `costs` are the
+                 round times per width measured once per machine and batch size
+                 (`tools/profile_widths.py`)
+A cut selects one of a few compiled verify widths (`verify_widths`, the engine's `lax.switch`,
+design §3b), so a shorter draft is a cheaper verification, not a masked one.
+
+Departures from DeepSpec: MASK is a learned vector, not a vocabulary token (our tokenizer has no
+mask token); only the `vanilla` Markov head is built (the config key exists for `gated` / `rnn`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
+from specjax.drafters import heads
+from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax.kvcache import KVCache
+from specjax.models import transformer
+from specjax.models.transformer import MLP, Linear, RMSNorm, linear, rms_norm
+from specjax.typing import Array, Int
+
+MARKOV_KINDS = ("vanilla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    hidden_size: int  # = the target's (embedding and LM head are shared)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    block_size: int  # W: positions drafted per forward
+    target_layers: tuple[int, ...]
+    vocab_size: int
+    markov_rank: int = 128  # r; 0 = DFlash (no Markov head, no confidence head)
+    markov: str = "vanilla"
+    confidence: bool = True
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    confidence_temperatures: tuple[float, ...] | None = None  # per position, from calibration
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0: DFlash), got {self.markov_rank}")
+        if self.markov not in MARKOV_KINDS:
+            raise ValueError(f"markov head {self.markov!r} is not built; choose from {MARKOV_KINDS}")
+        if self.confidence and self.markov_rank == 0:
+            raise ValueError("the confidence head reads the Markov embedding: it needs markov_rank > 0")
+        t = self.confidence_temperatures
+        if t is not None and len(t) != self.block_size:
+            raise ValueError(f"confidence_temperatures has {len(t)} entries for block_size {self.block_size}")
+
+    @classmethod
+    def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
+                   target_layers=None, intermediate_size=None) -> "BlockConfig":
+        L = target_cfg.num_layers
+        layers = tuple(target_layers) if target_layers is not None else tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
+        return cls(hidden_size=target_cfg.hidden_size, num_heads=target_cfg.num_heads,
+                   num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
+                   intermediate_size=intermediate_size or target_cfg.intermediate_size, num_layers=num_layers,
+                   block_size=block_size, target_layers=layers, vocab_size=target_cfg.vocab_size,
+                   markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
+                   rms_norm_eps=target_cfg.rms_norm_eps)
+
+
+class BlockLayer(nnx.Module):
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype):
+        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.q_proj = Linear(E, H * D, bias=False, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(E, K * D, bias=False, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(E, K * D, bias=False, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(H * D, E, bias=False, rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(E, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+
+class BlockHead(nnx.Module):
+    """The trainable part of the drafter (the target's embedding and LM head are borrowed)."""
+
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        E, r = cfg.hidden_size, cfg.markov_rank
+        self.config = cfg
+        self.fc = Linear(len(cfg.target_layers) * E, E, bias=False, rngs=rngs, dtype=dtype)
+        self.context_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (E,), dtype))
+        self.layers = nnx.List([BlockLayer(cfg, rngs, dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        if r > 0:
+            self.markov_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype))
+            self.markov_out = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))  # W2 = 0: starts at b_k
+        else:
+            self.markov_embed = self.markov_out = None
+        if cfg.confidence:
+            self.confidence_w = nnx.Param(jnp.zeros((E + r,), dtype))
+            self.confidence_b = nnx.Param(jnp.zeros((), dtype))
+        else:
+            self.confidence_w = self.confidence_b = None
+
+
+# ----------------------------------------------------------------------------- layer functions
+
+def _cos_sin(cfg: BlockConfig, positions):
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+    return attention_lib.cos_sin(inv, positions)
+
+
+def context(head: BlockHead, features_BxTxF):
+    """C [B, T, E]: the fused, normalised target features of committed positions."""
+    return rms_norm(head.context_norm, linear(head.fc, features_BxTxF))
+
+
+def _kv(layer: BlockLayer, cfg: BlockConfig, h_BxTxE, cos, sin):
+    B, T, _ = h_BxTxE.shape
+    k = rms_norm(layer.k_norm, linear(layer.k_proj, h_BxTxE).reshape(B, T, cfg.num_kv_heads, cfg.head_dim))
+    v = linear(layer.v_proj, h_BxTxE).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    return attention_lib.apply_rope(k, cos, sin), v
+
+
+def context_kv(head: BlockHead, c_BxTxE, positions_BxT):
+    """Per backbone layer, the context's (k, v) [B, T, K, D] (each layer's own projections)."""
+    cos, sin = _cos_sin(head.config, positions_BxT)
+    return [_kv(layer, head.config, c_BxTxE, cos, sin) for layer in head.layers]
+
+
+def block_input(head: BlockHead, target, anchors_BxA):
+    """[anchor, MASK x (W-1)] per anchor, embedded: [B, A*W, E]."""
+    B, A = anchors_BxA.shape
+    W = head.config.block_size
+    x = jnp.broadcast_to(head.mask_embed[...], (B, A, W, head.config.hidden_size))
+    x = x.at[:, :, 0].set(transformer.embed(target, anchors_BxA).astype(x.dtype))
+    return x.reshape(B, A * W, -1)
+
+
+def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend):
+    """The N layers over Q block queries. `attend(layer_idx, q, k_block, v_block) -> o [B, Q, H, D]`
+    places the block's keys beside the context's and attends (drafting: through the cache;
+    training: over all anchors at once). Returns the normalised final hidden state [B, Q, E]."""
+    cfg = head.config
+    B, Q, _ = x_BxQxE.shape
+    cos, sin = _cos_sin(cfg, positions_BxQ)
+    x = x_BxQxE
+    for i, layer in enumerate(head.layers):
+        h = rms_norm(layer.input_layernorm, x)
+        q = rms_norm(layer.q_norm, linear(layer.q_proj, h).reshape(B, Q, cfg.num_heads, cfg.head_dim))
+        q = attention_lib.apply_rope(q, cos, sin)
+        k, v = _kv(layer, cfg, h, cos, sin)
+        o = attend(i, q, k, v)
+        x = x + linear(layer.o_proj, o.reshape(B, Q, -1))
+        h = rms_norm(layer.post_attention_layernorm, x)
+        x = x + linear(layer.mlp.down_proj, jax.nn.silu(linear(layer.mlp.gate_proj, h)) * linear(layer.mlp.up_proj, h))
+    return rms_norm(head.norm, x)
+
+
+def markov_embed(head: BlockHead, prev_xB):
+    """W1[x_{k-1}] [..., r] (None for DFlash)."""
+    return None if head.markov_embed is None else head.markov_embed[...][prev_xB]
+
+
+def position_logits(head: BlockHead, base_xV, m_xR):
+    """The Markov head: b_k + W2(W1[x_{k-1}]) (b_k alone for DFlash)."""
+    if m_xR is None:
+        return base_xV
+    return base_xV + (m_xR @ head.markov_out[...]).astype(jnp.float32)
+
+
+def confidence_logit(head: BlockHead, h_xE, m_xR):
+    """w.[h_k; W1[x_{k-1}]] + b, before the sigmoid and the calibration temperature."""
+    z = jnp.concatenate([h_xE, m_xR], axis=-1) @ head.confidence_w[...] + head.confidence_b[...]
+    return z.astype(jnp.float32)
+
+
+def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA):
+    """Training forward over many anchors per sequence (every block in one pass).
+
+    Block j starts at anchor a_j (its token tokens[a_j]), sees the context positions < a_j and its
+    own W positions (non-causal). Position k predicts tokens[a_j + k + 1]; its Markov input is the
+    true previous token tokens[a_j + k] (teacher forcing). Returns (logits [B, A, W, V],
+    confidence logits [B, A, W] or None, hidden [B, A, W, E], base logits [B, A, W, V]). Anchors need a_j >= 1 and
+    a_j + W < T for their labels to exist (the caller samples them so)."""
+    cfg = head.config
+    B, T = tokens_BxT.shape
+    A, W = anchors_BxA.shape[1], cfg.block_size
+    c = context(head, features_BxTxF)
+    ctx = context_kv(head, c, jnp.broadcast_to(jnp.arange(T)[None], (B, T)))
+    pos_BxAxW = anchors_BxA[..., None] + jnp.arange(W)
+    Q = A * W
+    sees_ctx = jnp.arange(T)[None, None, :] < jnp.repeat(anchors_BxA, W, axis=1)[..., None]  # [B, Q, T]
+    blk = jnp.arange(Q) // W
+    sees_blk = blk[:, None] == blk[None, :]  # [Q, Q]
+    visible = jnp.concatenate([sees_ctx, jnp.broadcast_to(sees_blk[None], (B, Q, Q))], axis=-1)
+
+    def attend(i, q, k, v):
+        kc, vc = ctx[i]
+        return attention_lib.attend(q, jnp.concatenate([kc, k], axis=1), jnp.concatenate([vc, v], axis=1), visible)
+
+    h = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
+                 pos_BxAxW.reshape(B, Q), attend)
+    base = transformer.lm_head(target, h).reshape(B, A, W, -1)
+    h = h.reshape(B, A, W, -1)
+    prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, Q), axis=1).reshape(B, A, W)
+    m = markov_embed(head, prev)
+    logits = position_logits(head, base, m)
+    conf = confidence_logit(head, h, m) if cfg.confidence else None
+    return logits, conf, h, base
+
+
+def self_fed_walk(head: BlockHead, base_BxWxV, h_BxWxE, anchor_B):
+    """Greedy Markov walk with the drafter's own previous token (how drafting runs): tokens [B, W],
+    confidence logits [B, W] (None without the head)."""
+    W = head.config.block_size
+    prev, toks, confs = anchor_B, [], []
+    for k in range(W):
+        m = markov_embed(head, prev)
+        x = jnp.argmax(position_logits(head, base_BxWxV[:, k], m), axis=-1).astype(jnp.int32)
+        if head.config.confidence:
+            confs.append(confidence_logit(head, h_BxWxE[:, k], m))
+        toks.append(x)
+        prev = x
+    return jnp.stack(toks, 1), (jnp.stack(confs, 1) if confs else None)
+
+
+# ----------------------------------------------------------------------------- scheduling
+
+def schedule_keep(conf_BxD, active_B, costs_W, widths: tuple[int, ...]):
+    """The DSpark scheduler in a static program: which draft positions to verify [B, D].
+
+    Survival a_{b,k} = prod_{j<=k} c_{b,j} is the probability that row b accepts through position
+    k, so verifying positions < j yields sum_b sum_{k<j} a_{b,k} accepted tokens in expectation, plus
+    one bonus token per active row. DSpark admits (row, position) pairs by decreasing survival while
+    expected throughput rises and stops at the first drop: a rule for an engine whose cost grows with
+    every verified token. Here a round's cost is that of its compiled verify width (rows are padded
+    to it), so the same objective is maximised over the widths: expected tokens / costs[w] for each
+    compiled width w, the best one wins (the smallest on ties), and every active row verifies its
+    draft up to it (positions below the width cost nothing more). Finished rows verify nothing."""
+    B, D = conf_BxD.shape
+    surv_BxD = jnp.cumprod(conf_BxD, axis=1) * active_B[:, None]
+    gain_J = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(surv_BxD, axis=0))])  # verify positions < j
+    n_pos_W = jnp.clip(jnp.asarray(widths) - 1, 0, D)
+    bonus = jnp.maximum(jnp.sum(active_B), 1).astype(jnp.float32)
+    throughput_W = (bonus + gain_J[n_pos_W]) / jnp.asarray(costs_W, jnp.float32)
+    keep_len = n_pos_W[jnp.argmax(throughput_W)]
+    return (jnp.arange(D)[None] < keep_len) & active_B[:, None]
+
+
+def fill_to_width(keep_BxD, active_B, widths: tuple[int, ...]):
+    """A threshold cut's kept drafts, extended to the compiled verify width they need: the round
+    verifies the smallest width holding the longest kept draft anyway, so every active row's
+    positions below it cost nothing more (a static program pads rows to the width)."""
+    D = keep_BxD.shape[1]
+    longest = jnp.max(jnp.where(active_B, jnp.sum(keep_BxD, axis=1), 0))
+    ws = jnp.asarray(widths)
+    width = ws[jnp.sum(ws < longest + 1)]  # the smallest width >= root + longest
+    return (jnp.arange(D)[None] < width - 1) & active_B[:, None]
+
+
+def default_widths(num_nodes: int) -> tuple[int, ...]:
+    """Compiled verify widths for a cut chain of `num_nodes` nodes: 1, 2, 3, 5, 9, 17 ... below N, and N."""
+    return tuple(w for w in (1, 2, 3, 5, 9, 17, 33) if w < num_nodes) + (num_nodes,)
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockState:
+    cache: KVCache  # context K/V of every backbone layer; length = the target's committed length
+    drafted: Int[Array, "B"]  # draft positions proposed (after cuts), summed over rounds
+    rounds: Int[Array, "B"]  # rounds drafted
+
+
+def target_features(out):
+    return jnp.concatenate(out.hidden, axis=-1)
+
+
+class BlockDrafter(heads.HeadDrafter):
+    """DSpark / DFlash behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
+    "schedule" (then `costs`: seconds per round at each of `widths`, profiled for this machine and
+    batch size). `widths`: the compiled verify widths when cutting (default `default_widths`)."""
+    name = "block"
+    gives_q = True
+    can_score = True  # its q at a node depends on the block and the node's own token only: exact, one pass
+
+    @property
+    def default_tree(self) -> str:
+        return f"chain={self.head.config.block_size}"
+
+    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None):
+        cfg = head.config
+        self.check_target(cfg, target, "block")
+        self.head = head
+        self.target = target  # shared: embedding and LM head
+        self.confidence = check_confidence(confidence, cfg)
+        if self.confidence == "schedule":
+            if costs is None:
+                raise ValueError("confidence='schedule' needs costs: round seconds per verify width for this machine "
+                                 "and batch size (python tools/profile_widths.py)")
+        if costs is not None and (self.confidence != "schedule"
+                                  or not all(math.isfinite(c) and c > 0 for c in map(float, costs))):
+            raise ValueError("costs (positive round seconds per verify width) go with confidence='schedule' only")
+        self.costs = None if costs is None else tuple(float(c) for c in costs)
+        self.widths = None if widths is None else tuple(int(w) for w in widths)
+
+    def check_tree(self, spec, rule: str) -> int:
+        super().check_tree(spec, rule)
+        W = self.head.config.block_size
+        if not (isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1):
+            raise ValueError(f"the block drafter drafts one chain: use tree='chain=k' with k <= {W} (its block size)")
+        if spec.max_depth > W:
+            raise ValueError(f"tree chain={spec.max_depth} is longer than the block drafter's block ({W} positions)")
+        if self.confidence == "schedule" and len(self.costs) != len(self.verify_widths(spec)):
+            raise ValueError(f"costs has {len(self.costs)} entries for the verify widths {self.verify_widths(spec)}")
+        return W  # the block's scratch slots past the context
+
+    def verify_widths(self, spec) -> tuple[int, ...]:
+        if self.confidence == "off":
+            return (spec.num_nodes,)
+        widths = self.widths or default_widths(spec.num_nodes)
+        if widths[-1] != spec.num_nodes:
+            raise ValueError(f"verify widths {widths} must end at the tree's {spec.num_nodes} nodes")
+        return widths
+
+    def _empty_cache(self, B, capacity):
+        c = self.head.config
+        return kvcache.init(c.num_layers, B, capacity, c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype)
+
+    def _extend(self, cache: KVCache, features_BxTxF, count_B) -> KVCache:
+        B, T = features_BxTxF.shape[:2]
+        pos = cache.length[:, None] + jnp.arange(T)[None]
+        for i, (k, v) in enumerate(context_kv(self.head, context(self.head, features_BxTxF), pos)):
+            cache = kvcache.write(cache, i, k, v)
+        return kvcache.advance(cache, count_B)
+
+    def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
+        B = prompt_BxP.shape[0]
+        z = jnp.zeros((B,), jnp.int32)
+        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z, z)
+
+    def draft_block(self, state: BlockState, root_B):
+        """The backbone pass: base logits [B, W, V], final hidden states [B, W, E], and the cache with
+        the block's K/V in its scratch slots (length unchanged: commit overwrites them; handing it
+        on, rather than the cache before, spares XLA a copy of the whole cache per round)."""
+        cfg = self.head.config
+        B, W = root_B.shape[0], cfg.block_size
+        cache = state.cache
+        pos = cache.length[:, None] + jnp.arange(W)[None]
+        bound = attention_lib.DENSE.bind(cache, pos, jnp.ones((B, W, W), bool))
+
+        def attend(i, q, k, v):
+            nonlocal cache
+            cache = kvcache.write(cache, i, k, v)  # scratch slots length..length+W-1
+            return bound(q, cache, i)
+
+        h = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend)
+        return transformer.lm_head(self.target, h), h, cache
+
+    def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
+        cfg = self.head.config
+        d = ctx.spec.max_depth
+        B = root_B.shape[0]
+        base, h, cache = self.draft_block(state, root_B)
+        active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
+        temps = cfg.confidence_temperatures or (1.0,) * cfg.block_size
+        prev, toks, logqs, probs, confs = root_B, [], [], [], []
+        for k in range(d):  # the Markov walk: the only sequential part
+            m = markov_embed(self.head, prev)
+            logits = position_logits(self.head, base[:, k], m)
+            lq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
+            if ctx.mode == "topk":
+                x = jnp.argmax(lq, -1).astype(jnp.int32)
+            else:  # one child per node: with and without replacement draw alike
+                x = jax.random.categorical(jax.random.fold_in(ctx.key, k), lq, axis=-1).astype(jnp.int32)
+            if cfg.confidence:
+                confs.append(jax.nn.sigmoid(confidence_logit(self.head, h[:, k], m) / temps[k]))
+            toks.append(x)
+            logqs.append(jnp.take_along_axis(lq, x[:, None], axis=-1)[:, 0])
+            probs.append(jnp.exp(lq))
+            prev = x
+        tree = tree_lib.chain_tree(root_B, jnp.stack(toks, 1), jnp.stack(logqs, 1))
+        keep = self._keep(jnp.stack(confs, 1) if confs else None, ctx.spec, active)
+        tree = dataclasses.replace(tree, valid=jnp.concatenate([jnp.ones((B, 1), bool), keep], axis=1))
+        probs = jnp.stack(probs + [jnp.zeros_like(probs[0])], axis=1)  # the leaf's q is never used
+        act = active.astype(jnp.int32)
+        st = dataclasses.replace(state, cache=cache, drafted=state.drafted + act * jnp.sum(keep, axis=1, dtype=jnp.int32),
+                                 rounds=state.rounds + act)
+        return Proposal(tree=tree, probs=probs, state=st)
+
+    def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+        """log q(·|node) at every node of any tree [B, N, V], in one backbone pass: a node at depth d
+        holding token x is followed by block position d, whose Markov logits are b_d + W2(W1[x])
+        (the exact distribution this drafter would draft from there). Past the block (d >= W) q is
+        uniform. The state is not changed."""
+        W = self.head.config.block_size
+        base, _, _ = self.draft_block(state, tree.tokens[:, 0])
+        d = jnp.clip(tree.depth, 0, W - 1)
+        logits = position_logits(self.head, jnp.take_along_axis(base, d[..., None], axis=1),
+                                 markov_embed(self.head, tree.tokens))
+        lq = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.where((tree.depth < W)[..., None], lq, -math.log(self.vocab_size))
+
+    def _keep(self, conf_BxD, spec, active_B):
+        """Which draft positions to verify [B, D] (prefix-closed per row)."""
+        if self.confidence == "off":
+            return jnp.ones((active_B.shape[0], spec.max_depth), bool)
+        if self.confidence == "schedule":
+            return schedule_keep(conf_BxD, active_B, self.costs, self.verify_widths(spec))
+        kept = jnp.cumprod(conf_BxD >= self.confidence, axis=1).astype(bool)  # up to the first c_k < threshold
+        return fill_to_width(kept, active_B, self.verify_widths(spec))
+
+    def commit(self, state: BlockState, committed: Committed) -> BlockState:
+        return dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
+
+    def loop_stats(self, state: BlockState) -> dict:
+        return {"drafted": state.drafted, "draft_rounds": state.rounds}
+
+
+def parse_confidence(confidence):
+    """"off" (or None) | "schedule" | a threshold in (0, 1) (a number or a numeric string); ValueError else."""
+    if confidence in (None, "off", "schedule"):
+        return confidence or "off"
+    try:
+        t = float(confidence)
+    except (TypeError, ValueError):
+        raise ValueError(f"confidence must be 'off', 'schedule' or a threshold in (0, 1), got {confidence!r}") from None
+    if not 0 < t < 1:
+        raise ValueError(f"confidence threshold must be in (0, 1), got {confidence!r}")
+    return t
+
+
+def check_confidence(confidence, cfg: BlockConfig):
+    """`parse_confidence`, and a cut needs the confidence head (DFlash has none)."""
+    c = parse_confidence(confidence)
+    if c != "off" and not cfg.confidence:
+        raise ValueError("this block drafter has no confidence head (DFlash): use confidence='off'")
+    return c
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def ece(prob_N, label_N, bins: int = 10) -> float:
+    """Expected calibration error of probabilities against 0/1 labels (equal-width bins)."""
+    prob_N, label_N = np.asarray(prob_N, np.float64), np.asarray(label_N, np.float64)
+    idx = np.minimum((prob_N * bins).astype(int), bins - 1)
+    err = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            err += sel.mean() * abs(prob_N[sel].mean() - label_N[sel].mean())
+    return float(err)
+
+
+def survival_ece(conf_logits_NxW, accepted_NxW, temperatures=None) -> list[float]:
+    """Per position k, the ECE of the cumulative product prod_{j<=k} sigmoid(z_j / T_j) against the
+    label "positions 0..k all accepted" (T = 1 without temperatures)."""
+    z = np.asarray(conf_logits_NxW, np.float64)
+    t = np.ones(z.shape[1]) if temperatures is None else np.asarray(temperatures, np.float64)
+    surv = np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=1)
+    return [ece(surv[:, k], np.asarray(accepted_NxW)[:, k]) for k in range(z.shape[1])]
+
+
+def calibrate_temperatures(conf_logits_NxW, accepted_NxW, grid=None) -> tuple[tuple[float, ...], list[float], list[float]]:
+    """Sequential temperature scaling: for k = 0..W-1 in order, the temperature T_k (from `grid`)
+    minimising the ECE of the cumulative product prod_{j<=k} sigmoid(z_j / T_j) against the
+    cumulative acceptance label (positions 0..k all accepted), T_0..T_{k-1} fixed.
+    Returns (temperatures, ECE before, ECE after) per position."""
+    z = np.asarray(conf_logits_NxW, np.float64)
+    y = np.asarray(accepted_NxW, np.float64)
+    grid = np.asarray(grid if grid is not None else np.exp(np.linspace(np.log(0.25), np.log(8.0), 49)))
+    sig = lambda a: 1.0 / (1.0 + np.exp(-a))  # noqa: E731
+    temps, before, after = [], [], []
+    surv_raw, surv = np.ones(len(z)), np.ones(len(z))
+    for k in range(z.shape[1]):
+        surv_raw = surv_raw * sig(z[:, k])
+        before.append(ece(surv_raw, y[:, k]))
+        errs = [ece(surv * sig(z[:, k] / t), y[:, k]) for t in grid]
+        t = float(grid[int(np.argmin(errs))])
+        temps.append(round(t, 4))
+        surv = surv * sig(z[:, k] / t)
+        after.append(ece(surv, y[:, k]))
+    return tuple(temps), before, after
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_block_head(head: BlockHead, path: str, dtype=jnp.bfloat16) -> None:
+    """`drafter_config.json` + `model.safetensors` (own parameters only, bf16 by default)."""
+    heads.save_head(head, path, "block", dtype)
+
+
+def read_config(path: str) -> BlockConfig:
+    raw = heads.read_config(path, "block")
+    raw["target_layers"] = tuple(raw["target_layers"])
+    if raw.get("confidence_temperatures") is not None:
+        raw["confidence_temperatures"] = tuple(raw["confidence_temperatures"])
+    try:
+        return BlockConfig(**raw)
+    except TypeError as e:
+        raise ValueError(f"{os.path.join(path, heads.CONFIG_FILE)}: {e}") from None
+
+
+def load_block_head(path: str, dtype=jnp.float32) -> BlockHead:
+    cfg = read_config(path)
+    return heads.load_params(nnx.eval_shape(lambda: BlockHead(cfg, nnx.Rngs(0), dtype)), path, dtype)

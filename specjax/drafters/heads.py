@@ -1,0 +1,85 @@
+"""Checkpoints of trained drafter heads (feature, block): a directory with `drafter_config.json`
+(`{"drafter": kind, ...the head's config}`) and `model.safetensors` (the head's own parameters,
+named by their NNX path; the target's embedding and LM head are never stored)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters.base import Drafter
+
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_head(head: nnx.Module, path: str, kind: str, dtype=None) -> None:
+    """Writes `head.config` and its parameters (cast to `dtype` when given, e.g. bf16)."""
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
+    cast = (lambda x: x) if dtype is None else (lambda x: jnp.asarray(x, dtype))
+    tensors = {".".join(map(str, k)): np.asarray(cast(v.get_value())) for k, v in flat}
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump({"drafter": kind, **dataclasses.asdict(head.config)}, f, indent=2)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
+
+
+def read_config(path: str, kind: str) -> dict:
+    """The stored config (without the kind); FileNotFoundError / ValueError for another directory."""
+    cfg_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"{cfg_file}: not a {kind}-drafter directory")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    if raw.pop("drafter", None) != kind:
+        raise ValueError(f"{cfg_file}: not a {kind} drafter")
+    return raw
+
+
+def load_params(head: nnx.Module, path: str, dtype) -> nnx.Module:
+    """Fills an (abstract) head with the stored parameters, checking names and shapes."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{file}: corrupt safetensors file ({e})") from None
+    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
+    for key, var in flat.items():
+        name = ".".join(map(str, key))
+        if name not in tensors:
+            raise ValueError(f"{file}: missing tensor {name!r}")
+        if tuple(tensors[name].shape) != tuple(var.get_value().shape):
+            raise ValueError(f"{file}: tensor {name!r} has shape {tensors[name].shape}, expected {var.get_value().shape}")
+        var.set_value(jnp.asarray(tensors[name].astype("float32"), dtype))
+    nnx.update(head, nnx.from_flat_state(flat))
+    return head
+
+
+class HeadDrafter(Drafter):
+    """A drafter made of a trained head (`self.head`, whose config has `vocab_size`, `hidden_size`,
+    `target_layers`) on a target whose embedding and LM head it borrows: feature and block drafters."""
+
+    @staticmethod
+    def check_target(cfg, target, kind: str) -> None:
+        """ValueError when the head was built for another vocabulary, width or depth than `target`'s."""
+        if cfg.vocab_size != target.config.vocab_size or cfg.hidden_size != target.config.hidden_size:
+            raise ValueError(f"{kind} drafter was built for vocab {cfg.vocab_size} / width {cfg.hidden_size}, the "
+                             f"target has {target.config.vocab_size} / {target.config.hidden_size}")
+        if max(cfg.target_layers) >= target.config.num_layers:
+            raise ValueError(f"{kind} drafter reads target layers {cfg.target_layers} but the target has "
+                             f"{target.config.num_layers}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.config.vocab_size
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.head.config.target_layers

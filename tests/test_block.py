@@ -1,0 +1,364 @@
+"""The block drafter (DSpark; DFlash = markov_rank 0), design §5b.
+
+- its drafting pass (context K/V cache + one block) equals its training pass (all anchors at once);
+- greedy speculative output equals autoregressive output, dense and hybrid targets, batch 1 and 4
+  with ragged prompts, with and without confidence cuts (threshold and the scheduler), one trace
+  per configuration, and a cut really verifies fewer nodes;
+- the sampled-candidates rule with Markov sampling keeps the target's distribution (chi-square over
+  1e5 rounds), and a planted bug (q reported without the Markov term) is caught;
+- the scheduler and the calibration on known numbers; checkpoints and refusals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import specjax
+from helpers import chi_square, tiny_target
+from specjax import engine, verify as V
+from specjax.drafters import load_drafter
+from specjax.drafters.base import DraftContext
+from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, calibrate_temperatures, ece, fill_to_width,
+                                    load_block_head,
+                                    save_block_head, schedule_keep, train_logits)
+from specjax.models import family, hybrid
+from specjax.models.config import HybridConfig
+from specjax.sampling import SamplingParams
+from specjax.tree import parse_tree_spec
+
+VOCAB = 64
+W = 4
+HYBRID = HybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1,
+                      linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                      partial_rotary_factor=0.5, max_position_embeddings=512)
+
+
+def _train_on_own_outputs(target, steps=100, seed=0):
+    """A tiny block drafter trained (DSpark loss, train.block) on the target's own greedy
+    continuations: on those prompts it is right often, not always (partial, row-varying acceptance)."""
+    from train.block import BlockTrainConfig, block_loss, sample_anchors
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, VOCAB, (24, 6)).tolist()
+    res = specjax.generate(target, prompts, max_new_tokens=34)
+    data = np.array([p + s for p, s in zip(prompts, res.sequences())], np.int32)
+    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=16)
+    head = BlockHead(cfg, nnx.Rngs(seed))
+    tc = BlockTrainConfig(name="t", target="t", anchors=8)
+    gdef, params = nnx.split(head, nnx.Param)
+    tx = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, opt, key):
+        anchors = sample_anchors(key, data.shape[0], data.shape[1], 8, W)
+        loss_fn = lambda p: block_loss(nnx.merge(gdef, p), target, jnp.asarray(data), anchors, tc)[0]  # noqa: E731
+        g = jax.grad(loss_fn)(params)
+        u, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, u), opt
+
+    opt = tx.init(params)
+    for i in range(steps):
+        params, opt = step(params, opt, jax.random.key(i))
+    return nnx.merge(gdef, params), data
+
+
+@pytest.fixture(scope="module")
+def dense():
+    target = tiny_target(VOCAB)
+    head, data = _train_on_own_outputs(target)
+    return target, head, data
+
+
+@pytest.fixture(scope="module")
+def hybrid_setup():
+    target = hybrid.init_model(HYBRID, seed=1)
+    head, data = _train_on_own_outputs(target, steps=60, seed=1)
+    return target, head, data
+
+
+def _ragged(data, batch):
+    return [data[i, :n].tolist() for i, n in zip(range(batch), (6, 9, 7, 12))]
+
+
+# ----------------------------------------------------------------------------- the two passes agree
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_drafting_pass_equals_training_pass(kind):
+    target = tiny_target(VOCAB) if kind == "dense" else hybrid.init_model(HYBRID, seed=1)
+    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=2, markov_rank=8)
+    head = BlockHead(cfg, nnx.Rngs(3))
+    d = BlockDrafter(head, target)
+    fam = family(target)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
+    out = fam.forward(target, toks, jnp.arange(40)[None], fam.init_cache(target, 1, 40),
+                      jnp.tril(jnp.ones((1, 40, 40), bool)), hidden_layers=cfg.target_layers)
+    feats = jnp.concatenate(out.hidden, -1)
+    anchors = jnp.asarray([[3, 17, 30]])
+    _, _, h_train, base_train = train_logits(head, target, toks, feats, anchors)
+    @jax.jit
+    def drafted(a):  # the prompt is the first a tokens (right-padded: one compile for every anchor)
+        pre = fam.prefill(target, toks, a[None], fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
+        return d.draft_block(d.init(toks, a[None], 64, pre), toks[:, a])[:2]
+
+    for j, a in enumerate((3, 17, 30)):
+        base, h = drafted(jnp.int32(a))
+        np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, j]), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(h[0]), np.asarray(h_train[0, j]), atol=2e-4, rtol=1e-4)
+    # after a round: the context extended at commit with the accepted tokens' target features
+    # (3 committed from anchor 14, then 4 written of which 3 kept) drafts as training does at anchor 17
+    from specjax.drafters.base import Committed
+    pre = fam.prefill(target, toks, jnp.asarray([14]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
+    st = d.init(toks, jnp.asarray([14]), 64, pre)
+    st = dataclasses.replace(st, cache=d.draft_block(st, toks[:, 14])[2])  # a proposal's scratch, overwritten
+    st = d.commit(st, Committed(tokens=toks[:, 14:18], count=jnp.asarray([3]), positions=jnp.arange(14, 18)[None],
+                                features=feats[:, 14:18]))
+    base, h, _ = d.draft_block(st, toks[:, 17])
+    np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, 1]), atol=2e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- greedy = autoregressive
+
+CONFIDENCES = (("off", "off"), ("cut", 0.6), ("cut", 0.8), ("cut", 0.95), ("schedule", "schedule"))
+
+
+def _check_greedy(target, head, prompts, costs_for, confidences=CONFIDENCES):
+    """Greedy output with confidence off, a threshold that cuts some drafts (the first of a few that
+    does on these prompts), and the scheduler: each equals autoregressive output. Returns the stats."""
+    ref = specjax.generate(target, prompts, max_new_tokens=24).sequences()
+    spec = parse_tree_spec(f"chain={W}")
+    runs = {}
+    for name, conf in confidences:
+        if name == "cut" and "cut" in runs:
+            continue
+        d = BlockDrafter(head, target, confidence=conf,
+                         costs=costs_for(BlockDrafter(head, target, confidence=0.5).verify_widths(spec))
+                         if conf == "schedule" else None)
+        got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[d])  # the default tree: chain=W
+        assert got.sequences() == ref, name
+        st = got.stats
+        if name != "cut" or ((st["drafted"] < W * st["draft_rounds"]) & (st["drafted"] > 0)).any():
+            runs[name] = st
+    return runs
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_autoregressive_dense(dense, batch):
+    target, head, data = dense
+    prompts = _ragged(data, batch)
+    # a steep cost table: long verifies are expensive, so the scheduler cuts
+    runs = _check_greedy(target, head, prompts, lambda widths: [1.0 + 0.5 * w for w in widths])
+    off = runs["off"]
+    assert off["tau"].max() > 1.3  # the drafter is right sometimes: acceptance is exercised
+    assert (off["drafted"] == W * off["draft_rounds"]).all() and (off["mean_verify_width"] == W + 1).all()
+    assert "cut" in runs, "no threshold cut some drafts and not others"
+    assert runs["cut"]["mean_verify_width"].min() < W + 1  # a cut verifies fewer nodes
+    assert runs["schedule"]["mean_verify_width"].min() < W + 1
+
+
+def test_one_trace_per_configuration(dense):
+    target, head, data = dense
+    d = BlockDrafter(head, target, confidence=0.7)
+    specjax.generate(target, _ragged(data, 2), max_new_tokens=8, drafters=[d])
+    n0 = engine.trace_count()
+    specjax.generate(target, [data[5, :8].tolist(), data[6, :5].tolist()], max_new_tokens=8, drafters=[d])
+    specjax.generate(target, _ragged(data, 2), max_new_tokens=8, drafters=[BlockDrafter(head, target, confidence=0.7)])
+    assert engine.trace_count() == n0
+
+
+def test_greedy_equals_autoregressive_hybrid(hybrid_setup):
+    target, head, data = hybrid_setup
+    runs = _check_greedy(target, head, _ragged(data, 4), lambda widths: [1.0 + 0.5 * w for w in widths],
+                         confidences=(("off", "off"), ("cut", 0.8)))
+    assert runs["off"]["tau"].max() > 1.1
+
+
+def test_cut_before_the_first_position_verifies_the_root_only(dense):
+    target, head, data = dense
+    d = BlockDrafter(head, target, confidence=0.999999)  # nothing is that confident
+    prompts = _ragged(data, 2)
+    got = specjax.generate(target, prompts, max_new_tokens=10, drafters=[d], tree=f"chain={W}")
+    assert got.sequences() == specjax.generate(target, prompts, max_new_tokens=10).sequences()
+    assert (got.stats["drafted"] == 0).all() and (got.stats["tau"] == 1).all()
+    assert (got.stats["mean_verify_width"] == 1).all()
+
+
+def test_score_is_the_drafters_own_distribution(dense):
+    """Rescoring its own chain gives the q it drafted from (TreeGraft's strong drafter reads it)."""
+    target, head, data = dense
+    d = BlockDrafter(head, target)
+    prompt = jnp.asarray(data[:2, :10])
+    fam = family(target)
+    pre = fam.prefill(target, prompt, jnp.asarray([10, 10]), fam.init_cache(target, 2, 32),
+                      hidden_layers=head.config.target_layers)
+    st = d.init(prompt, jnp.asarray([10, 10]), 32, pre)
+    root = jnp.asarray(data[:2, 10])
+    prop = d.propose(st, root, DraftContext(parse_tree_spec(f"chain={W}"), "topk", SamplingParams.make(0.0),
+                                            jax.random.key(0)))
+    lq = d.score(st, prop.tree)
+    np.testing.assert_allclose(np.exp(np.asarray(lq[:, :W])), np.asarray(prop.probs[:, :W]), atol=1e-5)
+
+
+def test_treegraft_with_the_block_drafter_as_the_strong_one(dense):
+    """TreeGraft(n-gram, DSpark): the block drafter rescores and grafts the n-gram trie (its exact
+    one-pass `score`); greedy output stays the target's."""
+    from specjax.drafters import NgramDrafter
+    from specjax.treegraft import TreeGraft
+    target, head, data = dense
+    prompts = _ragged(data, 2)
+    tg = TreeGraft(NgramDrafter(), BlockDrafter(head, target), policy="always")
+    got = specjax.generate(target, prompts, max_new_tokens=16, drafters=[tg], tree="depth=3,topk=2,nodes=6")
+    assert got.sequences() == specjax.generate(target, prompts, max_new_tokens=16).sequences()
+    assert got.stats["treegraft_invoked"].sum() > 0
+
+
+# ----------------------------------------------------------------------------- sampling is lossless
+
+ROWS = 100_000
+SV = 8  # vocabulary of the sampling test
+
+
+def test_sampled_rule_with_markov_sampling_is_lossless():
+    """100k rows draft a 2-chain by sampling through the Markov head from q; the sampled rule's
+    first two emitted tokens follow the target exactly. The planted bug: the drafter reports its
+    base distribution b_k as q (without the Markov term it sampled with): rejected."""
+    from specjax.models import transformer
+    from specjax.models.config import ModelConfig
+    tcfg = ModelConfig(vocab_size=SV, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    target = transformer.init_model(tcfg, seed=4)
+    target.embed_tokens.set_value(target.embed_tokens.get_value() * 40)  # O(1) logits: a spread distribution
+    cfg = BlockConfig.for_target(tcfg, block_size=3, num_layers=1, markov_rank=4)
+    head = BlockHead(cfg, nnx.Rngs(2))
+    rng = np.random.default_rng(0)
+    head.markov_out.set_value(jnp.asarray(rng.normal(size=(4, SV)) * 1.5, jnp.float32))
+    head.markov_embed.set_value(jnp.asarray(rng.normal(size=(SV, 4)), jnp.float32))
+    d = BlockDrafter(head, target)
+    prompt, root = [1, 5, 2], 3
+    fam = family(target)
+    pre = fam.prefill(target, jnp.asarray([prompt]), jnp.asarray([3]), fam.init_cache(target, 1, 16),
+                      hidden_layers=cfg.target_layers)
+    st1 = d.init(jnp.asarray([prompt]), jnp.asarray([3]), 16, pre)
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:]), st1)
+    spec = parse_tree_spec("chain=2")
+    params = SamplingParams.make(1.0)
+    roots = jnp.full((ROWS,), root, jnp.int32)
+    prop = jax.jit(lambda s, k: d.propose(s, roots, DraftContext(spec, "sample", params, k)))(state, jax.random.key(1))
+    toks = np.asarray(prop.tree.tokens)
+
+    def target_logits(seq):
+        out = fam.prefill(target, jnp.asarray([seq]), jnp.asarray([len(seq)]), fam.init_cache(target, 1, 16))
+        return np.asarray(out.logits[0, len(seq) - 1], np.float64)
+
+    p0 = target_logits(prompt + [root])
+    p1 = np.stack([target_logits(prompt + [root, x]) for x in range(SV)])
+    logits = np.zeros((ROWS, 3, SV), np.float32)
+    logits[:, 0], logits[:, 1] = p0, p1[toks[:, 1]]
+    soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)  # noqa: E731
+    verify = jax.jit(lambda tree, lg, q, k: V.verify(tree, lg, k, rule="sampled", max_depth=2, params=params,
+                                                     draft_probs_BxNxV=q))  # arrays as arguments, not constants
+
+    def first_two(q):
+        vd = verify(prop.tree, jnp.asarray(logits), q, jax.random.key(9))
+        n, t, b = (np.asarray(x) for x in (vd.num_accepted, vd.tokens, vd.bonus))
+        return np.where(n >= 1, t[:, 0], b), np.where(n >= 2, t[:, 1], b), n
+
+    first, second, n = first_two(prop.probs)
+    stat, df, crit = chi_square(np.bincount(first, minlength=SV), soft(p0))
+    assert stat <= crit, f"first token: chi2 {stat:.1f} > {crit:.1f} (df {df})"
+    for x1 in range(SV):
+        sel = (n >= 1) & (first == x1)
+        if sel.sum() >= 2000:
+            stat, df, crit = chi_square(np.bincount(second[sel], minlength=SV), soft(p1[x1]))
+            assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
+    assert 0.1 < (n >= 1).mean() < 0.95 and (n >= 2).mean() > 0.02  # both depths accept and reject
+    # the planted bug: q without the Markov term
+    base, _, _ = jax.jit(d.draft_block)(state, roots)
+    wrong = jnp.concatenate([jax.nn.softmax(base[:, :2], -1), jnp.zeros((ROWS, 1, SV))], axis=1)
+    assert float(jnp.abs(wrong - prop.probs).max()) > 0.05
+    first_w, second_w, n_w = first_two(wrong)
+    stats = [chi_square(np.bincount(first_w, minlength=SV), soft(p0))]
+    stats += [chi_square(np.bincount(second_w[(n_w >= 1) & (first_w == x1)], minlength=SV), soft(p1[x1]))
+              for x1 in range(SV) if ((n_w >= 1) & (first_w == x1)).sum() >= 2000]
+    assert any(s > 10 * c for s, _, c in stats), "the wrong q was not caught"
+
+
+# ----------------------------------------------------------------------------- scheduler, calibration
+
+def test_scheduler_maximises_expected_throughput_over_the_widths():
+    conf = jnp.asarray([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    widths, both = (1, 2, 3, 5), jnp.ones(2, bool)
+    # flat costs: the widest verify has the most expected tokens
+    assert np.asarray(schedule_keep(conf, both, (1.0, 1.0, 1.0, 1.0), widths)).all()
+    # verifying 4 drafts costs 3x: (2 + .9+.5 + .81+.25) / 1.2 = 3.72 at width 3 beats 3.09 at 2 and 2.01 at 5
+    keep = np.asarray(schedule_keep(conf, both, (1.0, 1.1, 1.2, 3.0), widths))
+    assert keep.tolist() == [[True, True, False, False]] * 2
+    # verifying anything costs too much: the root alone
+    assert not np.asarray(schedule_keep(conf, both, (1.0, 5.0, 6.0, 7.0), widths)).any()
+    # a finished row verifies nothing, and does not count
+    keep = np.asarray(schedule_keep(conf, jnp.asarray([True, False]), (1.0, 1.0, 1.0, 1.0), widths))
+    assert keep[0].all() and not keep[1].any()
+
+
+def test_a_threshold_cut_fills_the_width_it_needs():
+    kept = jnp.asarray([[True, True, True, False], [True, False, False, False], [False] * 4])
+    # the longest kept draft (3) needs width 5: every active row verifies 4 positions
+    keep = np.asarray(fill_to_width(kept, jnp.asarray([True, True, True]), (1, 2, 3, 5)))
+    assert keep.tolist() == [[True] * 4] * 3
+    keep = np.asarray(fill_to_width(kept, jnp.asarray([False, True, True]), (1, 2, 3, 5)))
+    assert keep.tolist() == [[False] * 4, [True, False, False, False], [True, False, False, False]]
+
+
+def test_calibration_lowers_the_ece():
+    rng = np.random.default_rng(0)
+    N, Wc = 4000, 4
+    z = rng.normal(2.0, 1.0, (N, Wc))  # over-confident logits
+    true_p = 1 / (1 + np.exp(-z / 3.0))
+    acc = np.cumprod(rng.random((N, Wc)) < true_p, axis=1)
+    temps, before, after = calibrate_temperatures(z, acc)
+    assert len(temps) == Wc and all(a <= b + 1e-9 for a, b in zip(after, before))
+    assert after[0] < 0.5 * before[0] and 2.0 < temps[0] < 4.5
+    assert ece([0.2, 0.8], [0, 1]) == pytest.approx(0.2)
+
+
+# ----------------------------------------------------------------------------- checkpoints, refusals
+
+def test_checkpoint_round_trip_and_refusals(dense, tmp_path):
+    target, head, _ = dense
+    save_block_head(head, str(tmp_path / "blk"))
+    raw = json.loads((tmp_path / "blk" / "drafter_config.json").read_text())
+    assert raw["drafter"] == "block" and raw["block_size"] == W
+    from safetensors.numpy import load_file
+    assert all(str(t.dtype) == "bfloat16" for t in load_file(str(tmp_path / "blk" / "model.safetensors")).values())
+    back = load_block_head(str(tmp_path / "blk"))
+    for a, b in zip(jax.tree.leaves(nnx.state(head, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)), np.asarray(b))
+    d = load_drafter(str(tmp_path / "blk"), target, confidence="0.5")
+    assert isinstance(d, BlockDrafter) and d.confidence == 0.5
+    prompts = [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="chain"):
+        specjax.generate(target, prompts, drafters=[d], tree="depth=3,topk=2,nodes=6")
+    with pytest.raises(ValueError, match="longer than the block"):
+        specjax.generate(target, prompts, drafters=[d], tree=f"chain={W + 1}")
+    for bad in ("high", 1.5, 0):
+        with pytest.raises(ValueError, match="confidence"):
+            BlockDrafter(head, target, confidence=bad)
+    with pytest.raises(ValueError, match="costs"):
+        BlockDrafter(head, target, confidence="schedule")
+    with pytest.raises(ValueError, match="block drafter"):
+        load_drafter("ngram", target, confidence=0.5)
+    dflash = BlockHead(BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=0), nnx.Rngs(0))
+    assert dflash.markov_embed is None and dflash.confidence_w is None
+    with pytest.raises(ValueError, match="no confidence head"):
+        BlockDrafter(dflash, target, confidence=0.5)
+    got = specjax.generate(target, prompts, max_new_tokens=8, drafters=[BlockDrafter(dflash, target)], tree="chain=3")
+    assert got.sequences() == specjax.generate(target, prompts, max_new_tokens=8).sequences()
+    other = tiny_target(VOCAB + 1)
+    with pytest.raises(ValueError, match="vocab"):
+        BlockDrafter(head, other)

@@ -1,0 +1,276 @@
+"""The verify-width cost table of the DSpark scheduler: seconds of one round at each compiled
+verify width, profiled once per machine and batch size (`BlockDrafter(confidence="schedule")`).
+
+For each batch size B and each verify width w of the drafter's `verify_widths(tree)`:
+
+    draft_s      the drafter's propose + commit (one round's drafting; the same at every width),
+                 on the state after a prefill of B random prompts of --context tokens and one real
+                 round;
+    verify_s[w]  the target's verification forward over the first w nodes of a chain (ancestor
+                 mask, the drafter's hidden layers), on a cache holding --context committed tokens;
+    round_s[w]   draft_s + verify_s[w], made non-decreasing in w (a running max: a wider verification
+                 never costs less, a measured dip is noise): what the scheduler divides expected
+                 tokens by.
+
+Each piece runs --loops times in one jitted `fori_loop` carrying its state (as the generation loop
+runs it: buffers updated in place, no per-call dispatch; see tools/bench_round.py), after a warm-up
+call; the figure is the median over --repeats calls, divided by --loops. The rest of a round
+(verification walk, cache commits, emission) is about the same at every width and is left out:
+only the differences between widths steer the scheduler.
+
+    python tools/profile_widths.py --target models/code-target --drafter models/code-target-dspark --batch 1,4
+    python tools/profile_widths.py --smoke    # tiny random target and block drafter (checks the tool)
+
+Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.profile.costs_from_profile`:
+    {"cpu", "device", "target", "target_sha256", "drafter", "tree", "context", "command",
+     "rows": {"<B>": {"widths": [...], "round_s": [...], "draft_s": x, "verify_s": [...]}}}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax import engine, tree as tree_lib  # noqa: E402
+from specjax.drafters.base import DraftContext  # noqa: E402
+from specjax.models import family  # noqa: E402
+from specjax.profile import default_profile_name  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+from tools.bench_ar import cpu_name  # noqa: E402
+
+LOOPS = 16
+
+
+def median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (blocked on) over `repeats` calls after one warm-up call."""
+    jax.block_until_ready(fn())  # compile + warm-up
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def random_prompts(vocab_size: int, batch: int, context: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, context).tolist() for _ in range(batch)]
+
+
+def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int = LOOPS, mode: str = "topk") -> float:
+    """Seconds of one round's drafting (the drafter's propose, then its commit of the round's
+    accepted tokens): `loops` propose + commit pairs in one jitted `fori_loop` carrying the
+    drafter's state, on the state after a prefill of `prompts` and one real greedy round.
+    Works for any drafter (the commit replayed is that first round's)."""
+    spec = tree_lib.parse_tree_spec(spec)
+    D, M = spec.max_depth, 8
+    V = target.config.vocab_size
+    scratch = drafter.check_tree(spec, "greedy")
+    slack = max(spec.num_nodes, getattr(spec, "pool_size", spec.num_nodes), scratch) + D + 2
+    # Room for `loops` commits of up to D + 1 tokens on top of the prompt (each commit advances the caches).
+    batch = engine.prepare_prompts(prompts, V, M + loops * (D + 1), None, slack=slack)
+    graphdef, state = nnx.split((target, drafter))
+    params, key = SamplingParams.make(0.0, 0, 1.0), jax.random.key(0)
+    eos = jnp.zeros((0,), jnp.int32)
+
+    @jax.jit
+    def start(state, toks, lens):
+        m, d = nnx.merge(graphdef, state)
+        c = engine.spec_start(m, d, toks, lens, params, key, eos, capacity=batch.capacity, max_new_tokens=M,
+                              spec=spec, greedy=True)
+        c, out = engine.spec_round(m, d, c, params, key, eos, max_new_tokens=M, rule="greedy", spec=spec, mode="topk")
+        return c, out.committed
+
+    carry, committed = start(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
+    # Sampled candidates are drawn from q warped at temperature 1 (as the T=1 sampled rows run).
+    ctx = DraftContext(spec, mode, params if mode == "topk" else SamplingParams.make(1.0, 0, 1.0), key)
+
+    @jax.jit
+    def run(state, dstate, root):
+        _, d = nnx.merge(graphdef, state)
+
+        def body(i, x):
+            ds, acc = x
+            prop = d.propose(ds, root, ctx)
+            ds = d.commit(prop.state, committed)
+            return ds, acc + jnp.sum(prop.tree.tokens) + jnp.sum(prop.tree.valid)
+
+        return jax.lax.fori_loop(0, loops, body, (dstate, jnp.int32(0)))[1]
+
+    return median_s(lambda: run(state, carry.dstate, carry.root), repeats) / loops
+
+
+def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loops: int = LOOPS) -> dict[int, float]:
+    """Seconds of the target's verification forward over the first w nodes of the tree, per w:
+    `loops` forwards in one jitted `fori_loop` carrying the cache (released after each, as a
+    round's scratch is), on a cache holding each prompt (the committed context)."""
+    spec = tree_lib.parse_tree_spec(spec)
+    fam = family(target)
+    graphdef, state = nnx.split(target)
+    B, D, N = len(prompts), spec.max_depth, spec.num_nodes
+    P = max(len(p) for p in prompts)
+    toks = jnp.asarray(prompts, jnp.int32)
+    lens = jnp.full((B,), P, jnp.int32)
+    cache = fam.prefill(target, toks, lens, fam.init_cache(target, B, P + N + 1)).cache
+    rng = np.random.default_rng(1)
+    draft = jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32)
+    if isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1:
+        tree = tree_lib.chain_tree(toks[:, -1], draft)
+    else:
+        raise ValueError(f"profile_widths profiles chains (the block drafter's tree), not {spec}")
+
+    def make(w):
+        sub = jax.tree.map(lambda x: x[:, :w], tree)
+        mask = tree_lib.ancestor_mask(sub, D)
+
+        @jax.jit
+        def run(state, cache):
+            model = nnx.merge(graphdef, state)
+
+            def body(i, x):
+                c, acc = x
+                out = fam.forward(model, sub.tokens + i * 0, tree_lib.positions(sub, c.length), c, mask,
+                                  hidden_layers=layers, parents=sub.parents)
+                acc = acc + out.logits[0, 0, 0] + sum(h[0, 0, 0].astype(jnp.float32) for h in out.hidden)
+                return fam.release(out.cache), acc
+
+            return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
+        return run
+
+    return {w: median_s(lambda run=make(w): run(state, cache), repeats) / loops for w in widths}
+
+
+def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: int, loops: int = LOOPS,
+                 log=print) -> dict:
+    """{str(B): {"widths", "round_s", "draft_s", "verify_s"}} for each batch size."""
+    rows = {}
+    for B in batches:
+        prompts = random_prompts(target.config.vocab_size, B, context, seed=B)
+        draft = draft_seconds(target, drafter, prompts, spec, repeats, loops)
+        ver = verify_seconds(target, tuple(drafter.target_layers), prompts, spec, widths, repeats, loops)
+        # A wider verification never costs less (timing noise aside): round_s is non-decreasing in w.
+        round_s = np.maximum.accumulate([draft + ver[w] for w in widths]).tolist()
+        rows[str(B)] = {"widths": list(widths), "round_s": round_s, "draft_s": draft,
+                        "verify_s": [ver[w] for w in widths]}
+        log(f"[profile_widths] batch {B}: draft {1000 * draft:.2f} ms, verify "
+            + ", ".join(f"w={w} {1000 * ver[w]:.2f}" for w in widths) + " ms")
+        jax.clear_caches()
+    return rows
+
+
+def smoke_block_head(target_cfg, block_size: int = 8, markov_rank: int = 8, seed: int = 0):
+    """A tiny random BlockHead for the smoke modes, with a random confidence head (so confidences
+    vary around 0.5 and cuts happen)."""
+    from specjax.drafters.block import BlockConfig, BlockHead
+    head = BlockHead(BlockConfig.for_target(target_cfg, block_size=block_size, num_layers=1, markov_rank=markov_rank),
+                     nnx.Rngs(seed))
+    if head.confidence_w is not None:
+        w = head.confidence_w.get_value()
+        head.confidence_w.set_value(0.3 * jax.random.normal(jax.random.key(seed + 7), w.shape, w.dtype))
+    return head
+
+
+def table(profile: dict) -> list[str]:
+    rows = profile["rows"]
+    widths = next(iter(rows.values()))["widths"]
+    lines = [f"verify-width profile: {profile['target']} + {profile['drafter']}, tree {profile['tree']}, "
+             f"context {profile['context']} ({profile['cpu']}; {profile['device']})", "",
+             "| batch | draft ms | " + " | ".join(f"w={w} verify / round ms" for w in widths) + " |",
+             "|---:|---:|" + "---:|" * len(widths)]
+    for b, r in rows.items():
+        lines.append(f"| {b} | {1000 * r['draft_s']:.2f} | " + " | ".join(
+            f"{1000 * v:.2f} / {1000 * c:.2f}" for v, c in zip(r["verify_s"], r["round_s"])) + " |")
+    return lines
+
+
+def rel(path: str) -> str:
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(REPO / "models/code-target"))
+    ap.add_argument("--drafter", default=None, help="block drafter directory (default: TARGET-dspark)")
+    ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    ap.add_argument("--tree", default=None, help="chain=k (default: chain=<the drafter's block size>)")
+    ap.add_argument("--context", type=int, default=256, help="committed tokens in the caches (default 256)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--loops", type=int, default=LOOPS, help="iterations per timed jitted call")
+    ap.add_argument("--smoke", action="store_true", help="tiny random target and block drafter: checks the tool")
+    ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
+    args = ap.parse_args(argv)
+    try:
+        batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
+    except ValueError:
+        ap.error(f"--batch {args.batch}: expected comma-separated integers")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batch {args.batch}: expected positive batch sizes")
+
+    from specjax.drafters.block import BlockDrafter
+    if args.smoke:
+        from tools.bench import smoke_models
+        cfg, target, _ = smoke_models()
+        head = smoke_block_head(cfg)
+        drafter = BlockDrafter(head, target, confidence=0.5)
+        args.context, args.repeats, args.loops = min(args.context, 64), min(args.repeats, 2), min(args.loops, 4)
+        target_name, drafter_name, sha = "smoke", "smoke", None
+    else:
+        import specjax
+        from specjax.checkpoint import weights_sha256
+        from specjax.drafters import load_drafter
+        args.drafter = args.drafter or f"{args.target.rstrip('/')}-dspark"
+        if not os.path.isdir(args.target):
+            ap.error(f"--target {args.target}: no such directory")
+        if not os.path.isdir(args.drafter):
+            ap.error(f"--drafter {args.drafter}: no such directory (train one: python -m train.block)")
+        target = specjax.load_model(args.target)
+        try:
+            drafter = load_drafter(args.drafter, target, target_path=args.target, confidence=0.5)
+        except ValueError as e:
+            ap.error(f"--drafter {args.drafter}: {e}")
+        if not isinstance(drafter, BlockDrafter):
+            ap.error(f"--drafter {args.drafter}: not a block drafter")
+        target_name, drafter_name, sha = rel(args.target), rel(args.drafter), weights_sha256(args.target)
+    tree = args.tree or f"chain={drafter.head.config.block_size}"
+    try:
+        spec = tree_lib.parse_tree_spec(tree)
+        drafter.check_tree(spec, "greedy")
+        widths = drafter.verify_widths(spec)
+    except ValueError as e:
+        ap.error(f"--tree {tree}: {e}")
+    if args.context + spec.num_nodes + 1 > target.config.max_position_embeddings:
+        ap.error(f"--context {args.context}: does not fit the target's {target.config.max_position_embeddings} positions")
+
+    rows = profile_rows(target, drafter, batches, spec, widths, args.context, args.repeats, args.loops,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    profile = {"cpu": cpu_name(), "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+               "target": target_name, "target_sha256": sha, "drafter": drafter_name, "tree": tree,
+               "context": args.context, "repeats": args.repeats, "loops": args.loops,
+               "command": "python tools/profile_widths.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "rows": rows}
+    out = Path(args.out or REPO / "bench" / default_profile_name(target_name if args.smoke else args.target))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    print("\n".join(table(profile)))
+    print(f"wrote {out}")
+    return profile
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Trains a DSpark block drafter (DFlash with `markov_rank: 0`) for a trained target (design §5b).
+
+The target is frozen: each batch runs it once for its hidden states at `target_layers` and its
+next-token distributions. Per sequence `anchors` block starts are drawn (deterministically from
+the seed and the step, so a resumed run sees the same anchors); block j holds [token a_j, MASK ...],
+sees the target features of positions < a_j, and its position k learns token a_j + k + 1:
+
+    loss = ce_weight * CE(true tokens) + l1_weight * sum_k w_k * |p_d - p_t|_1 + BCE(c_k, alpha_k)
+    w_k = exp(-k / decay) (k = 0 .. W-1), alpha_k = 1 - |p_d - p_t|_1 / 2 (detached)
+
+with the Markov head teacher-forced (its previous token is the true one). Validation walks each
+block with the drafter's own previous token (greedy, as drafting does) and reports per position the
+agreement with the target's argmax and the acceptance (all positions up to k agree; the target
+conditioned on the data, not on the draft: an estimate — `tools/bench.py` measures the real one).
+After training, the confidence head is calibrated on the validation blocks by sequential
+temperature scaling (`specjax.drafters.block.calibrate_temperatures`); the temperatures go into
+the exported `drafter_config.json`.
+
+Same machinery as `train.feature`: optax AdamW with warm-up + cosine, gradient clipping, an orbax
+CheckpointManager (resumable, same data order), tqdm, metrics.jsonl, bf16 export of the drafter's
+own parameters (`drafter_config.json` + `model.safetensors` + `train_info.json`).
+
+    python -m train.block --config configs/code-target-dspark.json \
+        --run-dir runs/code-target-dspark --export models/code-target-dspark
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from specjax.checkpoint import load_model, load_tokenizer
+from specjax.drafters import block as Bk
+from specjax.models import family, transformer
+from train import data, drafter_run
+from train.lm import REPO, RunRefused, _resolve, load_streams_for
+
+@dataclasses.dataclass(frozen=True)
+class BlockTrainConfig:
+    name: str
+    target: str  # the target's Hugging Face directory
+    block_size: int = 8
+    num_layers: int = 2
+    markov_rank: int = 128  # 0: DFlash
+    confidence: bool = True
+    target_layers: tuple[int, ...] | None = None  # None: low / middle / high
+    intermediate_size: int | None = None  # None: the target's
+    anchors: int = 32  # blocks per sequence
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    decay: float = 4.0  # w_k = exp(-k / decay)
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 300
+    seed: int = 0
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    eval_every: int = 100
+    eval_tokens: int = 16384
+    manifest: str = "train/manifest.json"
+    corpus_root: str | None = None  # None: this interpreter's stdlib
+    max_files: int | None = None  # per split (tests)
+
+
+def load_config(path) -> BlockTrainConfig:
+    return drafter_run.load_config(BlockTrainConfig, path)
+
+
+def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
+    return Bk.BlockConfig.for_target(target.config, block_size=cfg.block_size, num_layers=cfg.num_layers,
+                                     markov_rank=cfg.markov_rank, confidence=cfg.confidence,
+                                     target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size)
+
+
+def sample_anchors(key, B: int, T: int, A: int, W: int):
+    """[B, A] distinct anchors per row in [1, T - W - 1] (context non-empty, labels inside)."""
+    n = T - W - 1
+    if A > n:
+        raise ValueError(f"{A} anchors do not fit a sequence of {T} tokens with blocks of {W}")
+    u = jax.random.uniform(key, (B, n))
+    return jnp.sort(jnp.argsort(u, axis=1)[:, :A], axis=1).astype(jnp.int32) + 1
+
+
+def eval_anchors(B: int, T: int, A: int, W: int):
+    """[B, A] evenly spaced anchors (validation)."""
+    return jnp.broadcast_to(jnp.linspace(1, T - W - 1, A).astype(jnp.int32)[None], (B, A))
+
+
+def _target_pass(target, tokens_BxT, layers):
+    B, T = tokens_BxT.shape
+    fam = family(target)  # a dense or a hybrid target: the same features, its own cache
+    out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
+                      transformer.causal_mask(B, T), hidden_layers=layers)
+    return jax.lax.stop_gradient(Bk.target_features(out)), jax.lax.stop_gradient(out.logits)
+
+
+def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig):
+    """(loss, metrics): the DSpark objective on teacher-forced blocks."""
+    hc = head.config
+    W = hc.block_size
+    feats, tlogits = _target_pass(target, tokens_BxT, hc.target_layers)
+    logits, conf, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA)  # [B, A, W, V]
+    B, A = anchors_BxA.shape
+    pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
+    p_t = jax.nn.softmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W, -1)
+    labels = jnp.take_along_axis(tokens_BxT, pos + 1, axis=1).reshape(B, A, W)
+    logp = jax.nn.log_softmax(logits, -1)
+    ce = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+    l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
+    w = jnp.exp(-jnp.arange(W) / cfg.decay)
+    l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
+    loss = cfg.ce_weight * ce + cfg.l1_weight * l1_term
+    bce = jnp.float32(0)
+    if conf is not None:
+        alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
+        bce = jnp.mean(optax.sigmoid_binary_cross_entropy(conf, alpha))
+        loss = loss + bce
+    agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p_t, -1), axis=(0, 1))
+    return loss, {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
+
+
+def eval_blocks(head, target, tokens_BxT, anchors_BxA):
+    """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None)."""
+    hc = head.config
+    W = hc.block_size
+    feats, tlogits = _target_pass(target, tokens_BxT, hc.target_layers)
+    _, _, h, base = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA)
+    B, A = anchors_BxA.shape
+    anchor_tok = jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)
+    toks, conf = Bk.self_fed_walk(head, base.reshape(B * A, W, -1), h.reshape(B * A, W, -1), anchor_tok.reshape(-1))
+    pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)
+    t_arg = jnp.argmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W)
+    agree = toks.reshape(B, A, W) == t_arg
+    accepted = jnp.cumprod(agree, axis=-1).astype(bool)
+    return agree, accepted, (None if conf is None else conf.reshape(B, A, W))
+
+
+@functools.lru_cache(maxsize=4)
+def _fns(cfg: BlockTrainConfig, target_dir: str):
+    target = load_model(target_dir)
+    hcfg = head_config(cfg, target)
+    head_def = nnx.graphdef(nnx.eval_shape(lambda: Bk.BlockHead(hcfg, nnx.Rngs(0))))
+    tgt_def, tgt_params = nnx.split(target)
+    schedule, tx = drafter_run.optimizer(cfg)
+
+    def loss_of(params, tokens, anchors):
+        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, tokens):
+        B, T = tokens.shape
+        anchors = sample_anchors(jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), B, T,
+                                 cfg.anchors, hcfg.block_size)
+        (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors)
+        updates, opt = tx.update(grads, state["opt_state"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1},
+                {"loss": loss, **m, "lr": schedule(state["step"])})
+
+    @jax.jit
+    def eval_step(params, tokens):
+        B, T = tokens.shape
+        anchors = eval_anchors(B, T, cfg.anchors, hcfg.block_size)
+        loss, m = loss_of(params, tokens, anchors)
+        agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors)
+        return loss, m, agree, accepted, conf
+
+    def init():
+        params = nnx.state(Bk.BlockHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return target, hcfg, head_def, train_step, eval_step, init
+
+
+def evaluate(eval_step, params, windows, batch_size) -> tuple[dict, np.ndarray | None, np.ndarray]:
+    """(record, confidence logits [N, W] or None, accepted [N, W]) over the validation windows."""
+    n = (len(windows) // batch_size) * batch_size or len(windows)
+    losses, l1, agree_tf, agree, accepted, conf = [], [], [], [], [], []
+    for i in range(0, n, batch_size):
+        loss, m, ag, acc, cf = eval_step(params, jnp.asarray(windows[i:i + batch_size]))
+        losses.append(float(loss))
+        l1.append(np.asarray(m["l1"]))
+        agree_tf.append(np.asarray(m["agree_tf"]))
+        W = ag.shape[-1]
+        agree.append(np.asarray(ag).reshape(-1, W))
+        accepted.append(np.asarray(acc).reshape(-1, W))
+        if cf is not None:
+            conf.append(np.asarray(cf).reshape(-1, W))
+    agree, accepted = np.concatenate(agree), np.concatenate(accepted)
+    rec = {"val_loss": float(np.mean(losses)), "val_l1": np.mean(l1, 0).round(4).tolist(),
+           "val_agree_teacher_forced": np.mean(agree_tf, 0).round(4).tolist(),
+           "val_agree": agree.mean(0).round(4).tolist(), "val_accept": accepted.mean(0).round(4).tolist(),
+           "val_tau_estimate": round(1.0 + float(accepted.sum(1).mean()), 3), "val_blocks": int(len(agree))}
+    return rec, (np.concatenate(conf) if conf else None), accepted
+
+
+def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True):
+    run_dir = Path(run_dir)
+    export_dir = Path(export_dir) if export_dir is not None else None
+    target_dir = _resolve(cfg.target)
+    identity = drafter_run.identity(cfg, target_dir)
+    drafter_run.open_run(run_dir, export_dir, identity, overwrite)
+
+    target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))
+    tok = load_tokenizer(str(target_dir))
+    streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
+    val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
+
+    state = jax.device_put(init(), jax.devices()[0])
+    mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
+    start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
+    t_run, t_last, n_tok, train_s = time.perf_counter(), time.perf_counter(), 0, 0.0
+    record = None
+    for step in range(start, stop):
+        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        t0 = time.perf_counter()
+        state, m = train_step(state, jnp.asarray(batch))
+        loss = float(m["loss"])
+        train_s += time.perf_counter() - t0
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step + 1}")
+        n_tok += batch.size
+        bar.set_postfix(loss=f"{loss:.3f}", agree0=f"{float(m['agree_tf'][0]):.2f}",
+                        tok_s=f"{n_tok / (time.perf_counter() - t_last):.0f}", refresh=False)
+        bar.update(1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record, _, _ = evaluate(eval_step, state["params"], val, cfg.batch_size)
+            record.update(step=done, train_loss=loss, lr=float(m["lr"]))
+            with (run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.write(f"step {done}: val loss {record['val_loss']:.4f}, acceptance by position {record['val_accept']}")
+            t_last, n_tok = time.perf_counter(), 0
+        mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    with (run_dir / "timing.jsonl").open("a") as f:  # per session: a resumed run adds a line
+        f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
+                            "wall_s": round(time.perf_counter() - t_run, 1)}) + "\n")
+    if int(state["step"]) == cfg.steps and export_dir is not None:
+        export(cfg, identity, head_def, eval_step, state["params"], val, export_dir, run_dir)
+    return state
+
+
+def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, run_dir: Path) -> None:
+    """Calibrates the confidence head, then writes the drafter. The calibration sees the weights as
+    shipped (rounded to bf16), fits the temperatures on the even validation blocks and reports the
+    ECE on the odd ones (held out); the final record is of the shipped weights too."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), params)
+    record, conf, accepted = evaluate(eval_step, params, val, cfg.batch_size)
+    head = nnx.merge(head_def, params)
+    calibration = None
+    if conf is not None:
+        temps, _, _ = Bk.calibrate_temperatures(conf[0::2], accepted[0::2])
+        head.config = dataclasses.replace(head.config, confidence_temperatures=temps)
+        calibration = {"temperatures": list(temps), "fit_blocks": int(len(conf[0::2])),
+                       "heldout_blocks": int(len(conf[1::2])),
+                       "ece_before": np.round(Bk.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
+                       "ece_after": np.round(Bk.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}
+    Bk.save_block_head(head, str(export_dir))
+    timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
+    train_s = sum(t["train_step_s"] for t in timing)
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len
+    config = drafter_run.config_record(cfg)
+    info = {"run": {"config": config, "target_sha256": identity["target_sha256"]}, "tokens_trained": tokens,
+            "block_positions_trained": cfg.steps * cfg.batch_size * cfg.anchors * cfg.block_size,
+            "timing": {"train_step_s": round(train_s, 1), "wall_s": round(sum(t["wall_s"] for t in timing), 1),
+                       "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "sessions": timing},
+            "final": record, "calibration": calibration}
+    (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"exported {export_dir}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--export", type=Path)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
+    except (RunRefused, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax-cache"))
+    main()

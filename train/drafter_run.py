@@ -1,0 +1,82 @@
+"""What the drafter trainers (`train.feature`, `train.block`) share: the config file, the
+optimizer, the run's identity (what may not change on resume), the run directory's refusals, and
+the orbax checkpoint manager. Each trainer keeps its own loss, loop metrics and export."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+
+from specjax.checkpoint import weights_sha256
+from train.lm import RunRefused
+
+RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between sessions of one run
+
+
+def load_config(cls, path):
+    """A trainer's frozen config dataclass from JSON (`target_layers` as a tuple); unknown keys refused."""
+    raw = json.loads(Path(path).read_text())
+    if raw.get("target_layers") is not None:
+        raw["target_layers"] = tuple(raw["target_layers"])
+    unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
+    return cls(**raw)
+
+
+def config_record(cfg) -> dict:
+    """The config as JSON-ready values (what `train_info.json` stores and `load_config` reads back)."""
+    d = dataclasses.asdict(cfg)
+    d["target_layers"] = list(d["target_layers"]) if d.get("target_layers") else None
+    return d
+
+
+def optimizer(cfg):
+    """(schedule, tx): AdamW with linear warm-up and cosine decay, global-norm clipping, weight decay
+    on matrices only."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                                  max(cfg.steps, cfg.warmup_steps + 1),
+                                                  cfg.learning_rate * cfg.min_lr_ratio)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(schedule, weight_decay=cfg.weight_decay,
+                                 mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    return schedule, tx
+
+
+def identity(cfg, target_dir: Path) -> dict:
+    """What a run directory pins: the config but its resumable fields, and the target's digest."""
+    d = {k: v for k, v in config_record(cfg).items() if k not in RESUMABLE}
+    d["target_sha256"] = weights_sha256(target_dir)
+    return d
+
+
+def open_run(run_dir: Path, export_dir: Path | None, ident: dict, overwrite: bool) -> None:
+    """Refuses to mix runs or to replace an export (RunRefused), then records the run's identity."""
+    if export_dir is not None and (export_dir / "model.safetensors").exists() and not overwrite:
+        raise RunRefused(f"{export_dir} already holds a trained drafter; pass --overwrite to replace it.")
+    stored = run_dir / "run.json"
+    if run_dir.exists() and overwrite:
+        shutil.rmtree(run_dir)
+    elif stored.exists():
+        old = json.loads(stored.read_text())
+        diffs = [f"{k}: run dir has {old.get(k)!r}, now {ident.get(k)!r}"
+                 for k in sorted(set(old) | set(ident)) if old.get(k) != ident.get(k)]
+        if diffs:
+            raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs)
+                             + "\nUse another --run-dir, or --overwrite.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(ident, indent=2) + "\n")
+
+
+def checkpoints(run_dir: Path, every: int, state):
+    """(orbax CheckpointManager, state restored from its latest step or `state` as given)."""
+    mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(
+        max_to_keep=3, save_interval_steps=every, create=True))
+    if mngr.latest_step() is not None:
+        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    return mngr, state
