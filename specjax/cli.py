@@ -386,9 +386,8 @@ def spec_stats(result, row: int) -> dict:
            "depth_acceptance": [round(float(x), 4) for x in st["depth_acceptance"][row]]}
     if "mean_verify_width" in st:  # nodes the target verified per round (< the tree's when drafts are cut)
         out["mean_verify_width"] = round(float(st["mean_verify_width"][row]), 4)
-    if "drafted" in st and "draft_rounds" in st:  # a block drafter's draft positions proposed after its cuts
+    if "drafted" in st:  # a block drafter's draft positions proposed after its cuts (per round: / rounds)
         out["drafted"] = int(st["drafted"][row])
-        out["draft_rounds"] = int(st["draft_rounds"][row])
     if "treegraft_invoked" in st:
         rounds = max(int(st["rounds"][row]), 1)
         out["treegraft"] = {

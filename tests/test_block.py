@@ -143,7 +143,7 @@ def _check_greedy(target, head, prompts, costs_for, confidences=CONFIDENCES):
         got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[d])  # the default tree: chain=W
         assert got.sequences() == ref, name
         st = got.stats
-        if name != "cut" or ((st["drafted"] < W * st["draft_rounds"]) & (st["drafted"] > 0)).any():
+        if name != "cut" or ((st["drafted"] < W * st["rounds"]) & (st["drafted"] > 0)).any():
             runs[name] = st
     return runs
 
@@ -156,7 +156,7 @@ def test_greedy_equals_autoregressive_dense(dense, batch):
     runs = _check_greedy(target, head, prompts, lambda widths: [1.0 + 0.5 * w for w in widths])
     off = runs["off"]
     assert off["tau"].max() > 1.3  # the drafter is right sometimes: acceptance is exercised
-    assert (off["drafted"] == W * off["draft_rounds"]).all() and (off["mean_verify_width"] == W + 1).all()
+    assert (off["drafted"] == W * off["rounds"]).all() and (off["mean_verify_width"] == W + 1).all()
     assert "cut" in runs, "no threshold cut some drafts and not others"
     assert runs["cut"]["mean_verify_width"].min() < W + 1  # a cut verifies fewer nodes
     assert runs["schedule"]["mean_verify_width"].min() < W + 1

@@ -54,6 +54,7 @@ from specjax import tree as tree_lib  # noqa: E402
 from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
 from specjax.profile import costs_from_profile, default_profile_name, load_profile  # noqa: E402
+from train.lm import repo_relative  # noqa: E402  (paths written down relative to the repo)
 from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
 
 NEAR_TIE = 1e-4
@@ -155,12 +156,10 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
         at_depth = np.concatenate([x.stats["accepted_at_depth"] for x in results])
         row["tau"] = float(1 + acc.sum() / max(rounds.sum(), 1))
         row["depth_acceptance"] = (at_depth.sum(0) / max(rounds.sum(), 1)).round(3).tolist()
-        width = mean_verify_width(results)
-        if width is not None:
-            row["mean_verify_width"] = width
-        if all("drafted" in x.stats and "draft_rounds" in x.stats for x in results):  # a block drafter's
+        row["mean_verify_width"] = mean_verify_width(results)
+        if all("drafted" in x.stats for x in results):  # a block drafter's
             drafted = sum(int(x.stats["drafted"].sum()) for x in results)
-            row["mean_draft_len"] = drafted / max(sum(int(x.stats["draft_rounds"].sum()) for x in results), 1)
+            row["mean_draft_len"] = drafted / max(int(rounds.sum()), 1)
         if draft_ms is not None:
             mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
             key = (m.drafter, str(m.confidence), m.costs, m.tree, mode)
@@ -174,14 +173,10 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
     return row
 
 
-def mean_verify_width(results) -> float | None:
-    """Tree nodes the target verified per round over all rows (None when the engine does not say)."""
+def mean_verify_width(results) -> float:
+    """Tree nodes the target verified per round over all rows (the engine's `verified_nodes`)."""
     rounds = sum(int(x.stats["rounds"].sum()) for x in results)
-    if all("verified_nodes" in x.stats for x in results):
-        return sum(int(x.stats["verified_nodes"].sum()) for x in results) / max(rounds, 1)
-    if all("mean_verify_width" in x.stats for x in results):  # per-row means, weighted by rounds
-        return sum(float((x.stats["mean_verify_width"] * x.stats["rounds"]).sum()) for x in results) / max(rounds, 1)
-    return None
+    return sum(int(x.stats["verified_nodes"].sum()) for x in results) / max(rounds, 1)
 
 
 def greedy_check(target, prompts, reference, candidate) -> dict:
@@ -296,7 +291,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
                 f"(make one: python tools/profile_widths.py --target {args.target} --batch {args.batch})")
             continue
         try:
-            out[name], used = costs_from_profile(load_profile(path), args.batch, widths), path
+            out[name], used = costs_from_profile(load_profile(path), args.batch, widths), repo_relative(path)
         except ValueError as e:
             if args.verify_profile:
                 raise

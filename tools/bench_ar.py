@@ -84,6 +84,18 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def median_ms(fn, repeats: int) -> float:
+    """Median ms of `fn()` (blocked on: jitted calls) over `repeats` calls after a warm-up call."""
+    import jax
+    jax.block_until_ready(fn())  # compile + warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def timed(fn, repeats: int) -> list[float]:
     fn()  # warm-up: compilation / first-call overhead, excluded
     out = []

@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,19 +42,10 @@ from specjax.drafters import FeatureDrafter, LMDrafter, NgramDrafter, load_draft
 from specjax.drafters.feature import FeatureConfig, FeatureHead  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
 from tools.bench import cpu_model  # noqa: E402
+from tools.bench_ar import median_ms  # noqa: E402
 
 DEFAULT_TREES = {"ngram": ["chain=5"], "lm": ["chain=4", "depth=5,topk=4,nodes=16"],
                  "feature": ["chain=3", "chain=5", "depth=5,topk=4,nodes=16"]}
-
-
-def median_ms(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def forward_costs(target, prompt_len: int, blocks: list[int], repeats: int, loops: int = 16) -> dict[int, float]:

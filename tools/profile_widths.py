@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,20 +46,15 @@ from specjax.drafters.base import DraftContext  # noqa: E402
 from specjax.models import family  # noqa: E402
 from specjax.profile import default_profile_name  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
-from tools.bench_ar import cpu_name  # noqa: E402
+from tools.bench_ar import cpu_name, median_ms  # noqa: E402
+from train.lm import repo_relative  # noqa: E402
 
 LOOPS = 16
 
 
 def median_s(fn, repeats: int) -> float:
-    """Median seconds of `fn()` (blocked on) over `repeats` calls after one warm-up call."""
-    jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `fn()` over `repeats` calls after a warm-up (`bench_round.median_ms`)."""
+    return median_ms(fn, max(repeats, 1)) / 1000
 
 
 def random_prompts(vocab_size: int, batch: int, context: int, seed: int = 0) -> list[list[int]]:
@@ -195,14 +188,6 @@ def table(profile: dict) -> list[str]:
     return lines
 
 
-def rel(path: str) -> str:
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(REPO))
-    except ValueError:
-        return str(p)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
@@ -246,7 +231,7 @@ def main(argv=None) -> dict:
             ap.error(f"--drafter {args.drafter}: {e}")
         if not isinstance(drafter, BlockDrafter):
             ap.error(f"--drafter {args.drafter}: not a block drafter")
-        target_name, drafter_name, sha = rel(args.target), rel(args.drafter), weights_sha256(args.target)
+        target_name, drafter_name, sha = repo_relative(args.target), repo_relative(args.drafter), weights_sha256(args.target)
     tree = args.tree or f"chain={drafter.head.config.block_size}"
     try:
         spec = tree_lib.parse_tree_spec(tree)

@@ -304,8 +304,7 @@ def default_widths(num_nodes: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class BlockState:
     cache: KVCache  # context K/V of every backbone layer; length = the target's committed length
-    drafted: Int[Array, "B"]  # draft positions proposed (after cuts), summed over rounds
-    rounds: Int[Array, "B"]  # rounds drafted
+    drafted: Int[Array, "B"]  # draft positions proposed (after cuts), summed over the row's rounds (the engine's `rounds`)
 
 
 def target_features(out):
@@ -373,7 +372,7 @@ class BlockDrafter(heads.HeadDrafter):
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
         B = prompt_BxP.shape[0]
         z = jnp.zeros((B,), jnp.int32)
-        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z, z)
+        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z)
 
     def draft_block(self, state: BlockState, root_B):
         """The backbone pass: base logits [B, W, V], final hidden states [B, W, E], and the cache with
@@ -419,9 +418,8 @@ class BlockDrafter(heads.HeadDrafter):
         keep = self._keep(jnp.stack(confs, 1) if confs else None, ctx.spec, active)
         tree = dataclasses.replace(tree, valid=jnp.concatenate([jnp.ones((B, 1), bool), keep], axis=1))
         probs = jnp.stack(probs + [jnp.zeros_like(probs[0])], axis=1)  # the leaf's q is never used
-        act = active.astype(jnp.int32)
-        st = dataclasses.replace(state, cache=cache, drafted=state.drafted + act * jnp.sum(keep, axis=1, dtype=jnp.int32),
-                                 rounds=state.rounds + act)
+        drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(keep, axis=1, dtype=jnp.int32)
+        st = dataclasses.replace(state, cache=cache, drafted=drafted)
         return Proposal(tree=tree, probs=probs, state=st)
 
     def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
@@ -450,7 +448,7 @@ class BlockDrafter(heads.HeadDrafter):
         return dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
 
     def loop_stats(self, state: BlockState) -> dict:
-        return {"drafted": state.drafted, "draft_rounds": state.rounds}
+        return {"drafted": state.drafted}
 
 
 def parse_confidence(confidence):
