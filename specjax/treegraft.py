@@ -307,8 +307,10 @@ class TreeGraft(Drafter):
                              f"deterministic-candidates rule (verify='deterministic', or greedy at temperature 0), "
                              f"not {rule!r}")
         cspec, M, _, _ = self.plan(spec)
+        # the cheap drafter's own checks on the tree it drafts (e.g. a block drafter's depth bound)
+        own = self.cheap.check_tree(cspec, rule)
         evaluated = cspec.pool_size if isinstance(cspec, tree_lib.DynamicTree) else M
-        return max(evaluated, M, spec.num_nodes)
+        return max(evaluated, M, spec.num_nodes, own)
 
     def validate(self, capacity: int) -> None:
         """Engine hook: each drafter's own checks against the cache capacity (e.g. FOLD's window)."""

@@ -3,7 +3,8 @@
 - its drafting pass (context K/V cache + one block) equals its training pass (all anchors at once);
 - greedy speculative output equals autoregressive output, dense and hybrid targets, batch 1 and 4
   with ragged prompts, with and without confidence cuts (threshold and the scheduler), one trace
-  per configuration, and a cut really verifies fewer nodes;
+  per configuration, and a cut really verifies fewer nodes; static and dynamic trees from the one
+  pass, and DSpark as TreeGraft's cheap drafter;
 - the sampled-candidates rule with Markov sampling keeps the target's distribution (chi-square over
   1e5 rounds), and a planted bug (q reported without the Markov term) is caught;
 - the scheduler and the calibration on known numbers; checkpoints and refusals.
@@ -152,13 +153,16 @@ def _check_greedy(target, head, prompts, costs_for, confidences=CONFIDENCES):
 def test_greedy_equals_autoregressive_dense(dense, batch):
     target, head, data = dense
     prompts = _ragged(data, batch)
-    # a steep cost table: long verifies are expensive, so the scheduler cuts
-    runs = _check_greedy(target, head, prompts, lambda widths: [1.0 + 0.5 * w for w in widths])
+    # a steep cost table: long verifies are expensive, so the scheduler cuts (batch 1: off and the
+    # scheduler only, the thresholds' programs are the batch-4 run's)
+    runs = _check_greedy(target, head, prompts, lambda widths: [1.0 + 0.5 * w for w in widths],
+                         confidences=CONFIDENCES if batch > 1 else (CONFIDENCES[0], CONFIDENCES[-1]))
     off = runs["off"]
     assert off["tau"].max() > 1.3  # the drafter is right sometimes: acceptance is exercised
     assert (off["drafted"] == W * off["rounds"]).all() and (off["mean_verify_width"] == W + 1).all()
-    assert "cut" in runs, "no threshold cut some drafts and not others"
-    assert runs["cut"]["mean_verify_width"].min() < W + 1  # a cut verifies fewer nodes
+    if batch > 1:
+        assert "cut" in runs, "no threshold cut some drafts and not others"
+        assert runs["cut"]["mean_verify_width"].min() < W + 1  # a cut verifies fewer nodes
     assert runs["schedule"]["mean_verify_width"].min() < W + 1
 
 
@@ -216,6 +220,44 @@ def test_treegraft_with_the_block_drafter_as_the_strong_one(dense):
     got = specjax.generate(target, prompts, max_new_tokens=16, drafters=[tg], tree="depth=3,topk=2,nodes=6")
     assert got.sequences() == specjax.generate(target, prompts, max_new_tokens=16).sequences()
     assert got.stats["treegraft_invoked"].sum() > 0
+
+
+def test_trees_from_one_pass(dense):
+    """Static and dynamic trees drafted from the one backbone pass (the Markov head's exact rows per
+    node): greedy output is the target's; the q of every node is what `score` gives for that node;
+    and DSpark can be TreeGraft's cheap drafter (its dynamic candidate tree, an lm drafter grafting)."""
+    from specjax.drafters import LMDrafter
+    from specjax.treegraft import TreeGraft
+    target, head, data = dense
+    prompts = _ragged(data, 2)
+    ref = specjax.generate(target, prompts, max_new_tokens=16).sequences()
+    d = BlockDrafter(head, target)
+    paths = "[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"
+    for spec in (paths, "depth=4,topk=2,nodes=7"):
+        got = specjax.generate(target, prompts, max_new_tokens=16, drafters=[d], tree=spec)
+        assert got.sequences() == ref, spec
+        assert got.stats["tau"].max() > 1.3
+    fam = family(target)
+    prompt = jnp.asarray(data[:2, :10])
+    pre = fam.prefill(target, prompt, jnp.asarray([10, 10]), fam.init_cache(target, 2, 32),
+                      hidden_layers=head.config.target_layers)
+    st = d.init(prompt, jnp.asarray([10, 10]), 32, pre)
+    spec = parse_tree_spec(paths)
+    prop = d.propose(st, jnp.asarray(data[:2, 10]), DraftContext(spec, "topk", SamplingParams.make(0.0),
+                                                                 jax.random.key(0)))
+    inner = np.asarray(spec.layout()[1]) < spec.max_depth  # the leaves' q is never computed
+    np.testing.assert_allclose(np.exp(np.asarray(d.score(st, prop.tree)))[:, inner],
+                               np.asarray(prop.probs)[:, inner], atol=1e-5)
+    # sampled candidates: each inner node's q is its row warped like the target's p (here T = 0.7)
+    prop = d.propose(st, jnp.asarray(data[:2, 10]), DraftContext(spec, "sample", SamplingParams.make(0.7),
+                                                                 jax.random.key(1)))
+    want = jax.nn.softmax(d.score(st, prop.tree) / 0.7, axis=-1)
+    np.testing.assert_allclose(np.asarray(want)[:, inner], np.asarray(prop.probs)[:, inner], atol=1e-5)
+    tg = TreeGraft(d, LMDrafter(target), policy="always")
+    got = specjax.generate(target, prompts, max_new_tokens=16, drafters=[tg], tree="depth=3,topk=2,nodes=6")
+    assert got.sequences() == ref and got.stats["treegraft_invoked"].sum() > 0
+    with pytest.raises(ValueError, match="deeper than the block"):  # TreeGraft asks its cheap drafter too
+        specjax.generate(target, prompts, max_new_tokens=16, drafters=[tg], tree=f"depth={W + 1},topk=2,nodes=6")
 
 
 # ----------------------------------------------------------------------------- sampling is lossless
@@ -342,9 +384,9 @@ def test_checkpoint_round_trip_and_refusals(dense, tmp_path):
     d = load_drafter(str(tmp_path / "blk"), target, confidence="0.5")
     assert isinstance(d, BlockDrafter) and d.confidence == 0.5
     prompts = [[1, 2, 3, 4]]
-    with pytest.raises(ValueError, match="chain"):
+    with pytest.raises(ValueError, match="confidence cuts apply to a chain"):
         specjax.generate(target, prompts, drafters=[d], tree="depth=3,topk=2,nodes=6")
-    with pytest.raises(ValueError, match="longer than the block"):
+    with pytest.raises(ValueError, match="deeper than the block"):
         specjax.generate(target, prompts, drafters=[d], tree=f"chain={W + 1}")
     for bad in ("high", 1.5, 0):
         with pytest.raises(ValueError, match="confidence"):

@@ -10,18 +10,20 @@ sys.path.insert(0, str(REPO / "tools"))
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     import bench
     out = tmp_path / "spec"
-    block = ["dspark chain=4 schedule", "dflash chain=4 T=1 sampled"]  # block drafters (made-up profile)
-    assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4", "lm chain=4 T=1 sampled"] + block),
-                       "--out", str(out)]) == 0
+    # block drafters (made-up profile): the scheduler, the sampled rule, a tree from the one pass
+    block = ["dspark chain=4 schedule", "dspark depth=4,topk=4,nodes=16", "dflash chain=4 T=1 sampled"]
+    assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4"] + block), "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4", "lm chain=4 T=1 sampled"] + block
-    for r in rows[4:]:  # the draft-ms and verify-width columns; the scheduler's cuts verify fewer nodes
+    assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4"] + block
+    for r in rows[3::2]:  # the draft-ms and verify-width columns; the scheduler's cuts verify fewer nodes
         assert r["tau"] >= 1 and r["draft_ms"] > 0 and 1 <= r["mean_verify_width"] <= 5
         assert len(r["depth_acceptance"]) == 4 and 0 <= r["mean_draft_len"] <= 4
-    assert rows[4]["check"]["mismatch"] == 0 and rows[4]["mean_verify_width"] < 5
+    assert rows[3]["check"]["mismatch"] == 0 and rows[3]["mean_verify_width"] < 5
     assert "| dspark chain=4 schedule |" in out.with_suffix(".md").read_text()
-    sampled = rows[3]  # the sampled-candidates rule, its speedup against AR at the same temperature
+    sampled = rows[5]  # the sampled-candidates rule, its speedup against AR at the same temperature
     assert sampled["temperature"] == 1.0 and sampled["tau"] >= 1 and "speedup" in sampled
+    tree = rows[4]
+    assert tree["check"]["mismatch"] == 0 and tree["mean_verify_width"] == 16 and tree["draft_ms"] > 0
     lm = rows[2]
     assert lm["check"]["mismatch"] == 0 and lm["check"]["exact"] + lm["check"]["near_tie"] == 4
     assert lm["tau"] > 1 and len(lm["depth_acceptance"]) == 4
@@ -33,7 +35,7 @@ def test_bench_round_smoke(tmp_path):
     out = tmp_path / "round"
     r = bench_round.main(["--smoke", "--out", str(out)])
     assert set(r["forward_ms"]) == {1, 5} and r["ar_ms_per_token"] > 0
-    assert {(x["drafter"], x["tree"]) for x in r["rounds"]} == {(d, "chain=4") for d in ("ngram", "lm", "feature")}
+    assert {(x["drafter"], x["tree"]) for x in r["rounds"]} == {(d, "chain=4") for d in ("ngram", "lm")}
     for x in r["rounds"]:
         assert x["tau"] >= 1 and x["ms_round"] > 0
         assert abs(x["speedup"] - x["tau"] * r["ar_ms_per_token"] / x["ms_round"]) < 1e-9

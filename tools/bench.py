@@ -9,7 +9,8 @@ calls (one per prompt-length bucket, so every shape is compiled before timing).
 Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation) draft a chain of their block
 size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
 profile of this machine (`--verify-profile`, from tools/profile_widths.py), under the DSpark
-scheduler; one loaded head serves every variant. Two more columns per speculative method:
+scheduler; and a dynamic tree from the same one backbone pass. One loaded head serves every
+variant. Two more columns per speculative method:
   draft ms / round   the drafter's propose + commit alone, jitted: 16 pairs in one `fori_loop`
                      carrying the drafter's state (`tools.profile_widths.draft_seconds`), on the
                      state after a prefill of the first batch of prompts and one real round;
@@ -58,6 +59,7 @@ from train.lm import repo_relative  # noqa: E402  (paths written down relative t
 from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
 
 NEAR_TIE = 1e-4
+BLOCK_TREE = (6, 4, 16)  # a block drafter's tree row: depth (at most its block), top-k, nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,8 @@ class Method:
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
     """A block drafter's chain of its block size: confidence off, at `threshold` and (given costs)
-    scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only)."""
+    scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only); and a
+    dynamic tree from the same one pass (`BLOCK_TREE`, greedy)."""
     chain = f"chain={drafter.head.config.block_size}"
     variants = [("", "off", None)]
     if drafter.head.config.confidence:
@@ -86,7 +89,11 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
         out += [Method(base, name, chain, confidence=conf, costs=costs),
                 Method(f"{base} T=1", name, chain, 1.0, confidence=conf, costs=costs),
                 Method(f"{base} T=1 sampled", name, chain, 1.0, verify="sampled", confidence=conf, costs=costs)]
-    return out
+    depth = min(BLOCK_TREE[0], drafter.head.config.block_size)
+    if depth < 2:  # a one-position block has no tree to speak of
+        return out
+    tree = f"depth={depth},topk={BLOCK_TREE[1]},nodes={BLOCK_TREE[2]}"
+    return out + [Method(f"{name} {tree}", name, tree)]
 
 
 def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict | None = None) -> list[Method]:
@@ -103,6 +110,18 @@ def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict
         out.append(Method(f"{name} {chain} T=1", name, chain, 1.0))
         if name != "ngram":  # a drafter with a distribution q: also the sampled-candidates rule
             out.append(Method(f"{name} {chain} T=1 sampled", name, chain, 1.0, verify="sampled"))
+    return out
+
+
+def split_methods(text: str) -> list[str]:
+    """A --methods list: names split on commas, except those inside a dynamic tree spec
+    ('lm depth=5,topk=4,nodes=16' is one name)."""
+    out = []
+    for piece in text.split(","):
+        if out and piece.startswith(("topk=", "nodes=")):
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
     return out
 
 
@@ -385,7 +404,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all; a dynamic tree's commas stay in its name)")
     ap.add_argument("--hf", action="store_true", help="also transformers' assisted generation (batch 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
@@ -413,7 +432,7 @@ def main(argv=None):
         ap.error(str(e))
     methods = default_methods(drafters, args.dspark_threshold, costs)
     if args.methods:
-        keep = set(args.methods.split(","))
+        keep = set(split_methods(args.methods))
         methods = [m for m in methods if m.name in keep or m.drafter is None]
     groups = batches(prompts, args.batch)
     flat = [p for g in groups for p in g]

@@ -1,8 +1,8 @@
 """TreeGraft on the model zoo: does grafting a strong drafter onto a cheap drafter's tree, when the
 scheduler says so, beat either drafter alone?
 
-For each drafter pair (cheap+strong: ngram+feature, feature+lm, ngram+lm; lm = models/code-draft,
-feature = models/code-target-feature) and each prompt set cut from the corpus's TEST split
+For each drafter pair (cheap+strong: ngram+feature, feature+lm, ngram+lm, ngram+dspark, dspark+lm;
+lm = models/code-draft, feature = models/code-target-feature, dspark = models/code-target-dspark) and each prompt set cut from the corpus's TEST split
 (functions: function bodies; docstrings: docstrings / comments; tests: repetitive test code;
 long: the start of the longest files), greedy, batch 1, EOS ignored:
 
@@ -55,8 +55,8 @@ from tools.bench import cpu_model  # noqa: E402
 from train.lm import repo_relative  # noqa: E402
 
 # A block drafter (DSpark) rescores exactly in one pass (`can_score`), so it can be the strong drafter;
-# as the cheap one it would need trees larger than the verify budget (tree-shaped block drafting).
-PAIRS = ("ngram+feature", "feature+lm", "ngram+lm", "ngram+dspark")
+# as the cheap one it drafts TreeGraft's dynamic candidate tree from its one backbone pass.
+PAIRS = ("ngram+feature", "feature+lm", "ngram+lm", "ngram+dspark", "dspark+lm")
 SETS = ("functions", "docstrings", "tests", "long")
 METHODS = ("cheap-only", "strong-only", "never", "always", "scheduler", "oracle")
 

@@ -28,6 +28,12 @@ Confidence cuts (a cut only removes proposals, so every rule stays lossless):
                  the compiled widths (`schedule_keep` says why not pair by pair); `costs` are the
                  round times per width measured once per machine and batch size
                  (`tools/profile_widths.py`)
+Trees: a static or dynamic tree spec of depth <= W is drafted from the same single backbone pass;
+a node at depth d holding token x gets the children of b_d + W2(W1[x]), the Markov head's exact
+conditional row (DFlash: the marginal b_d), expanded depth by depth through the head alone
+(`tree.expand`). Confidence cuts apply to chains only. The best-first (DDTree) and TreeFlash trees
+of design §5e are not built here.
+
 A cut selects one of a few compiled verify widths (`verify_widths`, the engine's `lax.switch`,
 design §3b), so a shorter draft is a cheaper verification, not a masked one.
 
@@ -293,6 +299,11 @@ def fill_to_width(keep_BxD, active_B, widths: tuple[int, ...]):
     return (jnp.arange(D)[None] < width - 1) & active_B[:, None]
 
 
+def is_chain(spec) -> bool:
+    """A static tree with one node per depth."""
+    return isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1
+
+
 def default_widths(num_nodes: int) -> tuple[int, ...]:
     """Compiled verify widths for a cut chain of `num_nodes` nodes: 1, 2, 3, 5, 9, 17 ... below N, and N."""
     return tuple(w for w in (1, 2, 3, 5, 9, 17, 33) if w < num_nodes) + (num_nodes,)
@@ -304,7 +315,7 @@ def default_widths(num_nodes: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class BlockState:
     cache: KVCache  # context K/V of every backbone layer; length = the target's committed length
-    drafted: Int[Array, "B"]  # draft positions proposed (after cuts), summed over the row's rounds (the engine's `rounds`)
+    drafted: Int[Array, "B"]  # draft nodes proposed (after cuts; a tree's valid nodes), summed over the row's rounds
 
 
 def target_features(out):
@@ -342,16 +353,18 @@ class BlockDrafter(heads.HeadDrafter):
     def check_tree(self, spec, rule: str) -> int:
         super().check_tree(spec, rule)
         W = self.head.config.block_size
-        if not (isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1):
-            raise ValueError(f"the block drafter drafts one chain: use tree='chain=k' with k <= {W} (its block size)")
         if spec.max_depth > W:
-            raise ValueError(f"tree chain={spec.max_depth} is longer than the block drafter's block ({W} positions)")
+            raise ValueError(f"tree depth {spec.max_depth} is deeper than the block drafter's block ({W} positions): "
+                             f"use a tree of depth <= {W}")
+        if not is_chain(spec) and self.confidence != "off":
+            raise ValueError("confidence cuts apply to a chain (tree='chain=k'); a tree from the block drafter "
+                             "needs confidence='off'")
         if self.confidence == "schedule" and len(self.costs) != len(self.verify_widths(spec)):
             raise ValueError(f"costs has {len(self.costs)} entries for the verify widths {self.verify_widths(spec)}")
         return W  # the block's scratch slots past the context
 
     def verify_widths(self, spec) -> tuple[int, ...]:
-        if self.confidence == "off":
+        if self.confidence == "off" or not is_chain(spec):
             return (spec.num_nodes,)
         widths = self.widths or default_widths(spec.num_nodes)
         if widths[-1] != spec.num_nodes:
@@ -397,6 +410,8 @@ class BlockDrafter(heads.HeadDrafter):
         d = ctx.spec.max_depth
         B = root_B.shape[0]
         base, h, cache = self.draft_block(state, root_B)
+        if not is_chain(ctx.spec):
+            return self._propose_tree(state, cache, base, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
         temps = cfg.confidence_temperatures or (1.0,) * cfg.block_size
         prev, toks, logqs, probs, confs = root_B, [], [], [], []
@@ -421,6 +436,23 @@ class BlockDrafter(heads.HeadDrafter):
         drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(keep, axis=1, dtype=jnp.int32)
         st = dataclasses.replace(state, cache=cache, drafted=drafted)
         return Proposal(tree=tree, probs=probs, state=st)
+
+    def _propose_tree(self, state: BlockState, cache, base_BxWxV, root_B, ctx: DraftContext) -> Proposal:
+        """A static or dynamic tree from the one backbone pass: a node at depth d holding token x
+        gets the children of b_d + W2(W1[x]), the Markov head's exact conditional row (DFlash: the
+        marginal b_d for every node of the depth). `tree.expand` runs the (cheap) head depth by
+        depth; the backbone is not run again."""
+        def evaluate(st, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
+            logits = position_logits(self.head, base_BxWxV[:, depth][:, None], markov_embed(self.head, tokens_BxF))
+            logits = jnp.broadcast_to(logits, tokens_BxF.shape + logits.shape[-1:])
+            if ctx.mode == "topk":
+                return jax.nn.log_softmax(logits, axis=-1), st
+            return sampling.warp(logits, ctx.params), st  # sampled candidates: q warped like the target's p
+
+        tree, probs, _ = tree_lib.expand(ctx.spec, root_B, evaluate, None, ctx.key, mode=ctx.mode)
+        active = jnp.ones((root_B.shape[0],), bool) if ctx.active is None else ctx.active
+        drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(tree.valid[:, 1:], axis=1, dtype=jnp.int32)
+        return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache, drafted=drafted))
 
     def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
         """log q(·|node) at every node of any tree [B, N, V], in one backbone pass: a node at depth d
