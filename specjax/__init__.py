@@ -1,9 +1,10 @@
 """specjax: speculative decoding of language models in JAX."""
 from specjax.checkpoint import load_model, load_tokenizer, save_model
+from specjax.compile_cache import disable_compilation_cache, enable_compilation_cache
 from specjax.engine import GenerationResult, generate
 from specjax.models.config import HybridConfig, ModelConfig
 from specjax.models.hybrid import HybridModel
 from specjax.models.transformer import Model, init_model
 
-__all__ = ["GenerationResult", "HybridConfig", "HybridModel", "Model", "ModelConfig", "generate", "init_model",
-           "load_model", "load_tokenizer", "save_model"]
+__all__ = ["GenerationResult", "HybridConfig", "HybridModel", "Model", "ModelConfig", "disable_compilation_cache",
+           "enable_compilation_cache", "generate", "init_model", "load_model", "load_tokenizer", "save_model"]

@@ -12,6 +12,8 @@ measured around one `specjax.generate` call:
                 copy back);
   compile_s     time JAX spent tracing, lowering and compiling: the union of the time spans of
                 JAX's own compile events (`jax.monitoring`) during the first call;
+  cache_hits    programs of that call loaded from the persistent compilation cache (on by
+                default: `--compile-cache DIR`, `--no-compile-cache`; `specjax.compile_cache`);
   ms_per_token  (wall_s - the timed call's compile time) / decoding steps, where steps = the
                 longest row's generated tokens (one step yields one token per row; prefill
                 is included).
@@ -32,6 +34,7 @@ from typing import Sequence
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class UsageError(Exception):
@@ -85,7 +88,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="verification rule (default: greedy at temperature 0, deterministic otherwise)")
     p.add_argument("--confidence", default="off", metavar="THRESHOLD|schedule|off",
                    help="a block drafter's (DSpark's) confidence cut, lossless under every rule: 'off' (default) "
-                        "verifies the whole chain; a threshold in (0, 1) stops each row's draft before its first "
+                        "verifies the whole chain or tree; a threshold in (0, 1) stops each row's draft before its first "
                         "position of lower confidence; 'schedule' picks the draft lengths that maximise expected "
                         "tokens per second from a measured cost per verify width (--verify-profile)")
     p.add_argument("--verify-profile", default=None, metavar="FILE",
@@ -94,6 +97,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "directory, else in the specjax repository)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line instead of plain text")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="persistent compilation cache folder (default: $SPECJAX_COMPILE_CACHE, else "
+                            "~/.cache/specjax/jax-compile): a later call with the same configuration loads the "
+                            "compiled programs instead of compiling them")
+    cache.add_argument("--no-compile-cache", action="store_true",
+                       help="compile every program afresh and write nothing to the cache folder")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,12 +171,18 @@ def compile_timer():
         if event in COMPILE_EVENTS:
             spans.append((start_time, end_time))
 
-    out = {"compile_s": 0.0}
+    def hit(event, **kwargs):
+        if event == CACHE_HIT:
+            out["cache_hits"] += 1
+
+    out = {"compile_s": 0.0, "cache_hits": 0}
     monitoring.register_event_time_span_listener(listener)
+    monitoring.register_event_listener(hit)
     try:
         yield out
     finally:
         monitoring.unregister_event_time_span_listener(listener)
+        monitoring.unregister_event_listener(hit)
         total, end = 0.0, float("-inf")
         for s, e in sorted(spans):  # union: nested events (a jit traced inside a trace) count once
             if e <= end:
@@ -201,6 +217,7 @@ def run_generate(args: argparse.Namespace) -> int:
         sources = read_prompt_file(args.prompt_file)
     check_model_dir(args.model)
     fold = fold_config(args)  # a bad --fold is refused before anything loads
+    compile_cache(args)  # before the first compile (loading compiles small programs too)
 
     import specjax
 
@@ -283,6 +300,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "batch_size": len(seqs),
                 "ms_per_token": round(ms_per_token, 3),
                 "compile_s": round(compile_s, 4),
+                "cache_hits": timing["cache_hits"],
                 "wall_s": round(wall, 4),
                 "warmup": bool(args.warmup),
                 **spec_stats(result, i),
@@ -293,9 +311,22 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"=== [{i}] ===")
             print(tokenizer.decode(s), flush=True)
         print(f"[specjax] batch {len(seqs)}, {sum(map(len, seqs))} tokens in {steps} steps: "
-              f"{ms_per_token:.2f} ms/token, compile {compile_s:.2f} s, wall {wall:.2f} s",
+              f"{ms_per_token:.2f} ms/token, compile {compile_s:.2f} s ({timing['cache_hits']} programs from the "
+              f"compilation cache), wall {wall:.2f} s",
               file=sys.stderr)
     return 0
+
+
+def compile_cache(args: argparse.Namespace):
+    """Switches the persistent compilation cache on (the folder) unless --no-compile-cache or
+    $SPECJAX_COMPILE_CACHE=off; returns the folder or None."""
+    if args.no_compile_cache:
+        return None
+    from specjax.compile_cache import enable_compilation_cache
+    try:
+        return enable_compilation_cache(args.compile_cache)
+    except ValueError as e:
+        raise UsageError(f"--compile-cache: {e}") from None
 
 
 def fold_config(args: argparse.Namespace):
@@ -345,6 +376,9 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
         spec = tree_lib.parse_tree_spec(f"chain={cfg.block_size}" if args.tree is None else args.tree)
     except ValueError as e:
         raise UsageError(f"--tree {args.tree}: {e}") from None
+    if not block.is_chain(spec):
+        raise UsageError(f"--confidence schedule cuts a chain: use --tree chain=k (k <= {cfg.block_size}), "
+                         f"not {args.tree}")
     widths = block.default_widths(spec.num_nodes)
     path = args.verify_profile or find_verify_profile(args.model)
     make = (f"python tools/profile_widths.py --target {args.model} --drafter {drafter} --batch {n_prompts}"

@@ -15,6 +15,8 @@ import os
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the CLI's persistent compilation cache stays off in tests (the tests that check it pass a folder)
+os.environ["SPECJAX_COMPILE_CACHE"] = "off"
 
 import numpy as np
 import pytest

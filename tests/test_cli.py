@@ -194,6 +194,56 @@ def test_python_dash_m_smoke(model_dir):
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_compilation_cache_second_process_hits(model_dir, tmp_path):
+    """A second process with the same configuration loads its programs from the persistent cache
+    (JAX's cache-hit events, counted in `cache_hits`) and writes the same tokens; the first wrote
+    the folder's entries. `--no-compile-cache` reads none of them."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", "specjax", "generate", "--model", model_dir, "--prompt", "def add(a, b):",
+            "--max-new-tokens", "8", "--ignore-eos", "--drafter", "ngram", "--tree", "chain=3", "--json"]
+
+    def run(*extra):
+        proc = subprocess.run(argv + list(extra), capture_output=True, text=True, env=env, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        [row] = [json.loads(line) for line in proc.stdout.splitlines()]
+        return row
+
+    cold = run("--compile-cache", str(cache))
+    entries = {p.name for p in cache.iterdir()}
+    assert cold["cache_hits"] == 0 and any(e.startswith("jit_") for e in entries)
+    warm = run("--compile-cache", str(cache))
+    assert warm["cache_hits"] > 0 and warm["tokens"] == cold["tokens"]
+    assert {p.name for p in cache.iterdir()} == entries  # nothing new to write
+    off = run("--no-compile-cache")
+    assert off["cache_hits"] == 0 and off["tokens"] == cold["tokens"]
+
+
+def test_compile_cache_folder_and_env(tmp_path, monkeypatch):
+    from specjax import compile_cache as cc
+    monkeypatch.setenv(cc.ENV, "off")
+    assert cc.default_dir() is None and cc.enable_compilation_cache() is None
+    monkeypatch.setenv(cc.ENV, str(tmp_path / "c"))
+    assert cc.default_dir() == tmp_path / "c"
+    monkeypatch.delenv(cc.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cc.default_dir() == tmp_path / "xdg" / "specjax" / "jax-compile"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="compilation cache folder"):
+        cc.enable_compilation_cache(tmp_path / "file" / "sub")
+    with pytest.raises(ValueError, match="min_compile_time_s"):
+        cc.enable_compilation_cache(tmp_path / "c", min_compile_time_s=-1)
+
+
+def test_compile_cache_usage_errors(capsys, model_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--compile-cache", str(tmp_path / "file" / "c")],
+                       "--compile-cache: compilation cache folder")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", model_dir, "--prompt", "hi", "--compile-cache", str(tmp_path), "--no-compile-cache"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
 def test_speculative_flags(capsys, model_dir, loaded):
     """--drafter (a model directory, and ngram) with --tree: same greedy tokens, plus tau stats."""
     model, tok = loaded
@@ -286,3 +336,5 @@ def test_block_drafter_confidence_usage_errors(capsys, tmp_path, model_dir, bloc
                        "only with --confidence schedule")
     expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "schedule",
                                        "--verify-profile", str(tmp_path / "nope.json")], "no such file")
+    expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "schedule",
+                                       "--tree", "depth=3,topk=2,nodes=6"], "cuts a chain")

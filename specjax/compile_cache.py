@@ -1,0 +1,74 @@
+"""A persistent compilation cache for the generation programs: JAX's own on-disk cache, switched
+on with the thresholds that let every generation program in.
+
+A `specjax.generate` program is traced, lowered to StableHLO and compiled by XLA on its first call
+in a process; the last step is most of the cost (seconds on CPU) and is what the cache saves: a
+second process with the same program (same shapes, drafter, tree, rule and jax / jaxlib version)
+loads the executable from disk. Tracing and lowering still run.
+
+    import specjax
+    specjax.enable_compilation_cache()          # ~/.cache/specjax/jax-compile, or $SPECJAX_COMPILE_CACHE
+    specjax.enable_compilation_cache("/tmp/c")  # a folder of your own
+
+The CLI turns it on by default (`--compile-cache DIR`, `--no-compile-cache`); the library leaves
+it to the caller. `SPECJAX_COMPILE_CACHE=off` turns the CLI's default off too.
+
+The folder is trusted: a process that loads an executable from it runs it, so do not share it with
+users you do not trust (JAX's own warning).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "SPECJAX_COMPILE_CACHE"
+OFF = ("off", "0", "none", "false", "no")
+
+
+def default_dir() -> Path | None:
+    """$SPECJAX_COMPILE_CACHE (None if it says off), else $XDG_CACHE_HOME/specjax/jax-compile, else
+    ~/.cache/specjax/jax-compile."""
+    env = os.environ.get(ENV)
+    if env is not None and env.strip():
+        return None if env.strip().lower() in OFF else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specjax" / "jax-compile"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compile_time_s: float = 0.0) -> Path | None:
+    """Cache compiled programs in `path` (default: `default_dir()`) from now on; returns the folder,
+    or None when $SPECJAX_COMPILE_CACHE says off and no path is given.
+
+    Every program that took at least `min_compile_time_s` to compile is written (default 0: all of
+    them, so the small eager helpers of loading and padding load from disk too), whatever its size.
+    Calling it again with another folder switches to that folder."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    if min_compile_time_s < 0:
+        raise ValueError(f"min_compile_time_s must be >= 0, got {min_compile_time_s}")
+    folder = Path(path).expanduser() if path is not None else default_dir()
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation cache folder {folder}: {e.strerror or e}") from None
+    folder = folder.resolve()
+    if jax.config.jax_compilation_cache_dir not in (None, str(folder)):
+        cc.reset_cache()  # the cache object is built once per process: drop the old folder's
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, no override
+    return folder
+
+
+def disable_compilation_cache() -> None:
+    """Stop reading and writing the persistent cache in this process."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    cc.reset_cache()
