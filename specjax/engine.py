@@ -155,8 +155,9 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
     M = max_new_tokens
     fam = family(model)  # transformer or hybrid: the target's functions
     cache = fam.init_cache(model, B, capacity)
-    out = fam.prefill(model, prompt_BxP, lengths_B, cache)
-    tok_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
+    with jax.named_scope("prefill"):
+        out = fam.prefill(model, prompt_BxP, lengths_B, cache)
+        tok_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     buf_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(tok_B)
     done_B = is_eos(tok_B, eos_E)
     n_B = jnp.ones((B,), jnp.int32)
@@ -167,7 +168,8 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
     def body(carry):
         i, tok_B, cache, done_B, n_B, buf_BxM = carry
-        out = fam.decode_step(model, tok_B, cache)
+        with jax.named_scope("verify_forward"):  # the one-token forward (what speculation replaces)
+            out = fam.decode_step(model, tok_B, cache)
         tok_B = sampling.sample(jax.random.fold_in(key, i), out.logits[:, 0], params, greedy)
         tok_B = jnp.where(done_B, 0, tok_B)
         buf_BxM = buf_BxM.at[:, i].set(tok_B)
@@ -335,11 +337,14 @@ def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, ke
     """Prefill target and drafter and emit the first token: the loop's initial carry."""
     B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
     fam = family(model)  # transformer or hybrid: the target's functions
-    out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
-                      hidden_layers=tuple(drafter.target_layers))
-    root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
+    with jax.named_scope("prefill"):
+        out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
+                          hidden_layers=tuple(drafter.target_layers))
+        root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
+    with jax.named_scope("draft_init"):
+        dstate = drafter.init(prompt_BxP, lengths_B, capacity, out)
     return LoopCarry(r=jnp.int32(1), root=root_B, cache=out.cache,
-                     dstate=drafter.init(prompt_BxP, lengths_B, capacity, out),
+                     dstate=dstate,
                      done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
                      buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
                      stats=RoundStats.zeros(B, D))
@@ -359,28 +364,39 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     root_B, cache, done_B, n_out_B, buf = carry.root, carry.cache, carry.done, carry.n_out, carry.buf
     k_draft, k_verify = jax.random.split(jax.random.fold_in(key, carry.r))
     active = ~done_B
-    prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
+    with jax.named_scope("draft"):
+        prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
     tree = prop.tree
     widths = check_verify_widths(drafter.verify_widths(spec), spec)
-    if len(widths) == 1:
-        tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
-                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-        logits, hidden, tcache = tout.logits, tout.hidden, tout.cache
-        width = jnp.int32(widths[0])
-    else:
-        logits, hidden, tcache, width, tree = _verify_forward_switch(model, fam, tree, cache, active, widths, D,
-                                                                     layers)
-    vd = verify_lib.verify(tree, logits, k_verify, rule=rule, max_depth=D, params=params,
-                           draft_probs_BxNxV=prop.probs)
+    with jax.named_scope("verify_forward"):
+        if len(widths) == 1:
+            tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
+                               tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+            logits, hidden, tcache = tout.logits, tout.hidden, tout.cache
+            width = jnp.int32(widths[0])
+        else:
+            logits, hidden, tcache, width, tree = _verify_forward_switch(model, fam, tree, cache, active, widths, D,
+                                                                         layers)
+    with jax.named_scope("verify_walk"):
+        vd = verify_lib.verify(tree, logits, k_verify, rule=rule, max_depth=D, params=params,
+                               draft_probs_BxNxV=prop.probs)
     keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
-    features = None
-    if layers:  # target features along the accepted path, for feature drafters
-        features = jnp.take_along_axis(jnp.concatenate(hidden, axis=-1), vd.path[..., None], axis=1)
-    cache = fam.commit(tcache, vd.path, keep_B)
-    committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
-                          positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
-                          target=cache)
-    dstate = drafter.commit(prop.state, committed)
+    with jax.named_scope("commit"):
+        features = None
+        if layers:  # target features along the accepted path, for feature drafters
+            features = jnp.take_along_axis(jnp.concatenate(hidden, axis=-1), vd.path[..., None], axis=1)
+        cache = fam.commit(tcache, vd.path, keep_B)
+        committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
+                              positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
+                              target=cache)
+        dstate = drafter.commit(prop.state, committed)
+    return _emit(carry, prop, vd, committed, dstate, cache, active, width, root_B, eos_E, M, D)
+
+
+@jax.named_scope("emit")
+def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, root_B, eos_E, M: int, D: int):
+    """The round's emission: accepted tokens and the bonus into the output buffer, stopping rules, stats."""
+    done_B, n_out_B, buf = carry.done, carry.n_out, carry.buf
     # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
     i = jnp.arange(D + 1)[None]
     n = vd.num_accepted[:, None]

@@ -69,3 +69,18 @@ def test_costs_from_profile():
         costs_from_profile(p, 8, (1, 2, 3, 5))
     with pytest.raises(ValueError, match="profile_widths"):
         costs_from_profile({"rows": {"1": {"widths": [1]}}}, 1, (1,))
+
+
+def test_bench_compile_smoke(tmp_path):
+    """The compile-time tool: a cold and a warm process per configuration, the warm one loading its
+    programs from the cache with the same tokens, and the program's size per part of the round."""
+    import bench_compile
+    out = tmp_path / "compile"
+    assert bench_compile.main(["--smoke", "--configs", "lm chain=4", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    cold, warm = rows
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] > 0 and warm["tokens"] == cold["tokens"]
+    assert cold["compile_s"] > 0 and cold["trace_s"] > 0 and cold["lower_s"] > 0
+    parts = cold["jaxpr_eqns_by_part"]
+    assert all(parts.get(p, 0) > 0 for p in ("prefill", "draft", "verify_forward", "verify_walk", "commit", "emit"))
+    assert "| lm chain=4 | warm |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,310 @@
+"""Compile time of the generation programs: where it goes, and what the persistent cache saves.
+
+Per configuration (autoregressive, lm chain, lm tree, feature tree, n-gram, TreeGraft, DSpark, and
+the hybrid target), each in a fresh process, one prompt ("def add(a, b):"), 24 new tokens, batch 1:
+
+  cold   an empty compilation-cache folder: everything is traced, lowered and compiled;
+  warm   a second process on the same folder: tracing and lowering run again, XLA's compilation
+         is loaded from disk (JAX's cache-hit events are counted).
+
+Per process: seconds of tracing (jaxpr), lowering (jaxpr -> StableHLO) and XLA compilation (the
+union of JAX's own compile-event spans, `jax.monitoring`, as the CLI's compile_s), the first
+generate call's wall time and a second call's (the run alone), and the process's wall time.
+Where the big program's size goes, per part of the round (named scopes of `specjax.engine`:
+prefill, draft_init, draft, verify_forward, verify_walk, commit, emit; `other` is the loop's own
+glue): jaxpr equations of the traced program, sub-jaxprs included (a proxy for what tracing,
+lowering and XLA work on). And the CLI's wall time for the issue's command
+(`python -m specjax generate ... --drafter models/code-draft --tree chain=4`), cold and warm.
+
+    python tools/bench_compile.py                     # the zoo
+    python tools/bench_compile.py --configs "ar,lm chain=4"
+    python tools/bench_compile.py --smoke             # tiny random models (what the test runs)
+
+Writes <out>.md and <out>.json (default bench/bench_compile).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T_START = time.perf_counter()
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PROMPT = "def add(a, b):"
+NEW_TOKENS = 24
+PARTS = ("prefill", "draft_init", "draft", "verify_forward", "verify_walk", "commit", "emit")
+EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+          "/jax/core/compile/backend_compile_duration": "compile"}
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+# name -> (target dir, drafter dirs (cheap first for TreeGraft), tree, treegraft policy or None)
+CONFIGS = {
+    "ar": ("models/code-target", (), None, None),
+    "lm chain=4": ("models/code-target", ("models/code-draft",), "chain=4", None),
+    "lm depth=5,topk=4,nodes=16": ("models/code-target", ("models/code-draft",), "depth=5,topk=4,nodes=16", None),
+    "feature depth=6,topk=6,nodes=24": ("models/code-target", ("models/code-target-feature",),
+                                        "depth=6,topk=6,nodes=24", None),
+    "ngram chain=6": ("models/code-target", ("ngram",), "chain=6", None),
+    "treegraft ngram+lm": ("models/code-target", ("ngram", "models/code-draft"), "depth=5,topk=4,nodes=16", "always"),
+    "dspark chain=8": ("models/code-target", ("models/code-target-dspark",), "chain=8", None),
+    "hybrid ar": ("models/code-target-hybrid", (), None, None),
+    "hybrid lm chain=4": ("models/code-target-hybrid", ("models/code-draft",), "chain=4", None),
+}
+CLI = ["--model", "models/code-target", "--prompt", PROMPT, "--max-new-tokens", "24", "--drafter", "models/code-draft",
+       "--tree", "chain=4"]
+
+
+# ----------------------------------------------------------------------------- the child process
+
+def union_seconds(spans) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def jaxpr_parts(closed) -> dict[str, int]:
+    """Equations per named part of the round, sub-jaxprs included; an equation outside every part
+    takes its enclosing equation's part (`other` at the top)."""
+    from jax.extend import core as jcore
+
+    counts: dict[str, int] = {}
+
+    def part_of(eqn, inherited):
+        stack = str(eqn.source_info.name_stack)
+        for p in reversed(stack.split("/")):
+            if p in PARTS:
+                return p
+        return inherited
+
+    def sub_jaxprs(eqn):
+        for v in eqn.params.values():
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(x, jcore.ClosedJaxpr):
+                    yield x.jaxpr
+                elif isinstance(x, jcore.Jaxpr):
+                    yield x
+
+    def walk(jaxpr, inherited):
+        for eqn in jaxpr.eqns:
+            p = part_of(eqn, inherited)
+            counts[p] = counts.get(p, 0) + 1
+            for sub in sub_jaxprs(eqn):
+                walk(sub, p)
+
+    walk(closed.jaxpr, "other")
+    return counts
+
+
+def load(name: str, smoke: bool):
+    import specjax
+    if smoke:
+        from tools.bench import smoke_models
+        from specjax.drafters import LMDrafter, NgramDrafter
+        from specjax import treegraft
+        _, target, draft = smoke_models()
+        prompt = [3, 5, 7, 11, 13, 5, 7, 11]
+        drafters = {"ar": [], "lm chain=4": [LMDrafter(draft)], "ngram chain=6": [NgramDrafter()],
+                    "treegraft ngram+lm": [treegraft.build([NgramDrafter(), LMDrafter(draft)], "always")]}[name]
+        tree = {"ar": None, "lm chain=4": "chain=4", "ngram chain=6": "chain=6",
+                "treegraft ngram+lm": "depth=3,topk=2,nodes=6"}[name]
+        return target, drafters, tree, prompt
+    from specjax.drafters import load_drafter
+    from specjax import treegraft
+    tdir, ddirs, tree, policy = CONFIGS[name]
+    target = specjax.load_model(str(REPO / tdir))
+    prompt = specjax.load_tokenizer(str(REPO / tdir)).encode(PROMPT).ids
+    drafters = [load_drafter(d if d == "ngram" else str(REPO / d), target, target_path=str(REPO / tdir)) for d in ddirs]
+    if policy is not None:
+        drafters = [treegraft.build(drafters, policy)]
+    return target, drafters, tree, prompt
+
+
+def child(args) -> dict:
+    import jax
+    from jax import monitoring
+
+    if args.cache != "none":
+        from specjax.compile_cache import enable_compilation_cache
+        enable_compilation_cache(args.cache)
+    import specjax
+    from specjax import engine
+
+    t_load = time.perf_counter()
+    target, drafters, tree, prompt = load(args.child, args.smoke)
+    load_s = time.perf_counter() - t_load
+    spans: dict[str, list] = {k: [] for k in EVENTS.values()}
+    by_fun: dict[str, float] = {}
+    hits = [0]
+
+    def on_span(event, start, end, **kw):
+        if event in EVENTS:
+            spans[EVENTS[event]].append((start, end))
+            if EVENTS[event] == "compile":
+                f = kw.get("fun_name", "?")
+                by_fun[f] = by_fun.get(f, 0.0) + end - start
+
+    def on_event(event, **kw):
+        if event == CACHE_HIT:
+            hits[0] += 1
+
+    kwargs = dict(max_new_tokens=NEW_TOKENS, eos_token_id=())
+    if drafters:
+        kwargs.update(drafters=drafters, tree=tree)
+    monitoring.register_event_time_span_listener(on_span)
+    monitoring.register_event_listener(on_event)
+    t0 = time.perf_counter()
+    first = specjax.generate(target, [prompt], **kwargs).sequences()
+    first_s = time.perf_counter() - t0
+    monitoring.unregister_event_time_span_listener(on_span)
+    monitoring.unregister_event_listener(on_event)
+    t0 = time.perf_counter()
+    second = specjax.generate(target, [prompt], **kwargs).sequences()
+    run_s = time.perf_counter() - t0
+    assert first == second
+    out = {"config": args.child, "cache": args.cache != "none", "load_s": load_s, "first_call_s": first_s,
+           "run_s": run_s, "cache_hits": hits[0], "tokens": first[0],
+           **{f"{k}_s": union_seconds(v) for k, v in spans.items()},
+           "compile_total_s": union_seconds([s for v in spans.values() for s in v]),
+           "compile_by_function_s": dict(sorted(by_fun.items(), key=lambda kv: -kv[1])[:5])}
+    if args.parts:  # trace the big program once more (not timed) and count its equations per part
+        fn = engine._generate_spec if drafters else engine._generate_ar
+        seen = {}
+
+        def spy(*a, **kw):
+            seen["args"] = (a, kw)
+            return fn(*a, **kw)
+
+        name = "_generate_spec" if drafters else "_generate_ar"
+        setattr(engine, name, spy)
+        try:
+            specjax.generate(target, [prompt], **kwargs)
+        finally:
+            setattr(engine, name, fn)
+        a, kw = seen["args"]
+        out["jaxpr_eqns_by_part"] = jaxpr_parts(fn.trace(*a, **kw).jaxpr)
+    out["process_s"] = time.perf_counter() - T_START
+    return out
+
+
+# ----------------------------------------------------------------------------- the parent
+
+def run_child(name: str, cache: str, smoke: bool, parts: bool) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--cache", cache, "--child-out", path]
+    cmd += ["--smoke"] * smoke + ["--parts"] * parts
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: child failed:\n{proc.stderr[-4000:]}")
+    out = json.loads(Path(path).read_text())
+    os.unlink(path)
+    out["wall_s"] = wall
+    return out
+
+
+def cli_wall(cache: str) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "specjax", "generate", *CLI, "--compile-cache", cache],
+                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"CLI failed:\n{proc.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def render(rows: list[dict], cli: dict | None, meta: dict) -> str:
+    f = lambda x: f"{x:.2f}"  # noqa: E731
+    lines = [f"# Compile time of the generation programs ({meta['setup']})", "",
+             f"`{meta['command']}`; {meta['cpu']}, {meta['platform']}, load {meta['load_avg']:.2f}. One prompt, "
+             f"{NEW_TOKENS} new tokens, batch 1; each row a fresh process. Seconds: trace / lower / XLA compile "
+             "(unions of JAX's compile-event spans), their union, the first generate call and a second one "
+             "(the run alone), the process.", "",
+             "| config | cache | trace | lower | XLA compile | compile total | first call | run | process | cache hits |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {'warm' if r['cache_hits'] else 'cold'} | {f(r['trace_s'])} | {f(r['lower_s'])} | "
+                     f"{f(r['compile_s'])} | {f(r['compile_total_s'])} | {f(r['first_call_s'])} | {f(r['run_s'])} | "
+                     f"{f(r['process_s'])} | {r['cache_hits']} |")
+    parted = [r for r in rows if "jaxpr_eqns_by_part" in r]
+    if parted:
+        cols = list(PARTS) + ["other"]
+        lines += ["", "Where the program's size goes: jaxpr equations of the generation program per part of the round "
+                  "(sub-jaxprs included; the share of the whole in brackets).", "",
+                  "| config | " + " | ".join(cols) + " | total |", "|---|" + "---:|" * (len(cols) + 1)]
+        for r in parted:
+            c = r["jaxpr_eqns_by_part"]
+            n = sum(c.values())
+            lines.append(f"| {r['config']} | " + " | ".join(f"{c.get(k, 0)} ({100 * c.get(k, 0) / n:.0f}%)" for k in cols)
+                         + f" | {n} |")
+    if cli:
+        lines += ["", f"CLI wall time, `python -m specjax generate {' '.join(CLI)}` (process start to exit): "
+                  f"cold {cli['cold_s']:.2f} s, warm (same cache folder) {cli['warm_s']:.2f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=None, help=f"comma-separated names (a dynamic tree keeps its commas) from {list(CONFIGS)}")
+    ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
+    ap.add_argument("--no-cli", action="store_true", help="skip the CLI wall-time rows")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--parts", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(child(args)))
+        return 0
+    from tools.bench import split_methods
+    from tools.bench_ar import cpu_name
+    known = ("ar", "lm chain=4", "ngram chain=6", "treegraft ngram+lm") if args.smoke else tuple(CONFIGS)
+    names = split_methods(args.configs) if args.configs else list(known)
+    bad = [n for n in names if n not in known]
+    if bad:
+        ap.error(f"unknown configs {bad}; choose from {list(known)}")
+    out = Path(args.out or REPO / ("bench/bench_compile_smoke" if args.smoke else "bench/bench_compile"))
+    rows = []
+    root = Path(tempfile.mkdtemp(prefix="specjax-compile-"))
+    try:
+        for name in names:
+            cache = root / name.replace(" ", "_").replace("=", "").replace(",", "_")
+            print(f"[bench_compile] {name} ...", file=sys.stderr, flush=True)
+            cold = run_child(name, str(cache), args.smoke, parts=True)
+            warm = run_child(name, str(cache), args.smoke, parts=False)
+            if warm["tokens"] != cold["tokens"]:
+                raise RuntimeError(f"{name}: the warm process wrote other tokens")
+            rows += [cold, warm]
+        cli = None
+        if not (args.smoke or args.no_cli):
+            cache = root / "cli"
+            cli = {"cold_s": cli_wall(str(cache)), "warm_s": cli_wall(str(cache))}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    meta = {"setup": "smoke: tiny random models" if args.smoke else "zoo", "cpu": cpu_name(),
+            "platform": platform.platform(), "load_avg": os.getloadavg()[0], "new_tokens": NEW_TOKENS,
+            "command": "python tools/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "cli": cli}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(rows, cli, meta))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
