@@ -252,7 +252,9 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     runs the drafter on F new nodes of one depth placed at scratch slots `offset .. offset+F-1`,
     each seeing the scratch slots [0, S) marked in `mask` (its ancestors and itself);
     `parent_slot` is the scratch slot of each node's parent (-1 for the root), for drafters that
-    feed a node's own hidden state to its children (EAGLE). Returns
+    feed a node's own hidden state to its children (EAGLE). `depth` and `offset` are Python ints,
+    except past the root of a chain of depth >= 3, whose steps run in one loop: there they are
+    traced int32 scalars (>= 1) and the mask spans all N scratch slots. Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
     if isinstance(spec, StaticTree):
@@ -262,7 +264,53 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     return _expand_dynamic(spec, root_B, evaluate, state, source)
 
 
+CHAIN_LOOP_MIN_DEPTH = 3  # chains this deep expand in a loop (shallower ones gain nothing from it)
+
+
+def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
+    """A chain (one node per depth): the root evaluated once, then depths 1 .. D-1 in one
+    `fori_loop`, so the drafter's step is traced, lowered and compiled twice instead of D times.
+    Inside the loop `depth` and `offset` are traced int32 scalars and every node's mask covers all
+    N scratch slots (the slots after it are not visible). Same tree and q as the unrolled form."""
+    N, D, B = spec.num_nodes, spec.max_depth, root_B.shape[0]
+
+    def pick(logq_BxV, d):
+        tok = _children_tokens(jax.random.fold_in(key, d), logq_BxV[:, None], 1, mode)[:, 0, 0]
+        return tok, jnp.take_along_axis(logq_BxV, tok[:, None], axis=-1)[:, 0]
+
+    logq, state = evaluate(state, root_B[:, None], 0, 0, jnp.ones((B, 1, 1), bool), jnp.full((B, 1), -1, jnp.int32))
+    tok, lq = pick(logq[:, 0], 0)
+    tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(root_B).at[:, 1].set(tok)
+    score = jnp.zeros((B, N), jnp.float32).at[:, 1].set(lq)
+    probs = jnp.zeros((B, N, logq.shape[-1]), jnp.float32).at[:, 0].set(jnp.exp(logq[:, 0]))
+
+    def body(d, carry):
+        tokens, score, probs, state = carry
+        mask = jnp.broadcast_to((jnp.arange(N) <= d)[None, None], (B, 1, N))
+        node = jax.lax.dynamic_slice_in_dim(tokens, d, 1, axis=1)
+        logq, state = evaluate(state, node, d, d, mask, jnp.full((B, 1), d - 1, jnp.int32))
+        tok, lq = pick(logq[:, 0], d)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok[:, None], d + 1, axis=1)
+        prev = jax.lax.dynamic_slice_in_dim(score, d, 1, axis=1)
+        score = jax.lax.dynamic_update_slice_in_dim(score, prev + lq[:, None], d + 1, axis=1)
+        probs = jax.lax.dynamic_update_slice_in_dim(probs, jnp.exp(logq), d, axis=1)
+        return tokens, score, probs, state
+
+    tokens, score, probs, state = jax.lax.fori_loop(1, D, body, (tokens, score, probs, state))
+    parents, depth, _ = spec.layout()
+    tree = TreeBuffers(
+        tokens=tokens,
+        parents=jnp.broadcast_to(jnp.asarray(parents), (B, N)),
+        depth=jnp.broadcast_to(jnp.asarray(depth), (B, N)),
+        valid=jnp.isfinite(score),
+        score=score,
+        source=jnp.full((B, N), source, jnp.int8))
+    return tree, probs, state
+
+
 def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source):
+    if spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= CHAIN_LOOP_MIN_DEPTH:  # a chain: steps in a loop
+        return _expand_chain(spec, root_B, evaluate, state, key, mode, source)
     parents, depth, rank = spec.layout()
     anc = static_ancestors(parents)
     N, D, B = spec.num_nodes, spec.max_depth, root_B.shape[0]

@@ -158,3 +158,32 @@ def test_bad_input_is_refused_before_tracing(target, noisy_drafter):
         specjax.generate(target, p, drafters=[noisy_drafter], verify="sampled", temperature=1.0,
                          tree="depth=3,topk=2,nodes=5")
     assert engine.trace_count() == before
+
+
+@pytest.mark.parametrize("mode", ["topk", "sample"])
+def test_chain_loop_drafts_what_the_unrolled_chain_drafts(target, noisy_drafter, monkeypatch, mode):
+    """A chain's depths run in one `fori_loop` (traced depth, full-width masks): the tree, its
+    scores and q equal the unrolled expansion's, for the lm and the feature (EAGLE) drafter."""
+    import jax
+    from flax import nnx
+    from specjax import sampling, tree as tree_lib
+    from specjax.drafters import FeatureDrafter
+    from specjax.drafters.base import DraftContext
+    from specjax.drafters.feature import FeatureConfig, FeatureHead
+    from specjax.models import family
+    head = FeatureHead(FeatureConfig.for_target(target.config, target_layers=(0, 1)), nnx.Rngs(3))
+    prompt = jnp.asarray(_prompts(2, seed=3)[0][:7] * 2).reshape(2, 7)
+    lengths = jnp.asarray([7, 5])
+    fam = family(target)
+    pre = fam.prefill(target, prompt, lengths, fam.init_cache(target, 2, 64), hidden_layers=(0, 1))
+    spec = tree_lib.parse_tree_spec("chain=5")
+    ctx = DraftContext(spec, mode, sampling.SamplingParams.make(0.8), jax.random.key(2))
+    for d in (noisy_drafter, FeatureDrafter(head, target)):
+        state = d.init(prompt, lengths, 64, pre)
+        looped = d.propose(state, prompt[:, 0], ctx)
+        monkeypatch.setattr(tree_lib, "CHAIN_LOOP_MIN_DEPTH", 10 ** 6)
+        unrolled = d.propose(state, prompt[:, 0], ctx)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(np.asarray(looped.tree.tokens), np.asarray(unrolled.tree.tokens))
+        np.testing.assert_allclose(np.asarray(looped.tree.score), np.asarray(unrolled.tree.score), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(looped.probs), np.asarray(unrolled.probs), atol=1e-6)

@@ -257,12 +257,48 @@ def render(rows: list[dict], cli: dict | None, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runtime_ab(names: list[str], smoke: bool, repeats: int, new_tokens: int) -> list[dict]:
+    """The chain loop's runtime against the unrolled chain (`tree.CHAIN_LOOP_MIN_DEPTH`), in this
+    process, interleaved: median seconds of a generate call (compiled first) per form."""
+    import statistics
+    from specjax import tree as tree_lib
+    import specjax
+    out = []
+    for name in names:
+        target, drafters, tree, prompt = load(name, smoke)
+        kwargs = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=drafters, tree=tree)
+        default = tree_lib.CHAIN_LOOP_MIN_DEPTH
+        forms = {"loop": default, "unrolled": 10 ** 6}
+        times = {f: [] for f in forms}
+        seqs = {}
+        for r in range(repeats + 1):
+            for f, v in forms.items():
+                tree_lib.CHAIN_LOOP_MIN_DEPTH = v
+                try:
+                    t0 = time.perf_counter()
+                    res = specjax.generate(target, [prompt], **kwargs)
+                    seqs[f] = res.sequences()
+                    if r:  # the first call of each form compiles
+                        times[f].append(time.perf_counter() - t0)
+                finally:
+                    tree_lib.CHAIN_LOOP_MIN_DEPTH = default
+        assert seqs["loop"] == seqs["unrolled"], f"{name}: the two forms wrote other tokens"
+        out.append({"config": name, "new_tokens": new_tokens, "repeats": repeats,
+                    **{f"{f}_s": statistics.median(v) for f, v in times.items()}})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=None, help=f"comma-separated names (a dynamic tree keeps its commas) from {list(CONFIGS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--no-cli", action="store_true", help="skip the CLI wall-time rows")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--runtime-ab", default=None, metavar="CONFIGS",
+                    help="instead: time each chain config's generate call with the chain loop and unrolled, "
+                         "interleaved in one process (medians)")
+    ap.add_argument("--repeats", type=int, default=7, help="with --runtime-ab")
+    ap.add_argument("--new-tokens", type=int, default=128, help="with --runtime-ab")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -274,6 +310,22 @@ def main(argv=None):
     from tools.bench import split_methods
     from tools.bench_ar import cpu_name
     known = ("ar", "lm chain=4", "ngram chain=6", "treegraft ngram+lm") if args.smoke else tuple(CONFIGS)
+    if args.runtime_ab:
+        names = split_methods(args.runtime_ab)
+        if any(n not in known for n in names):
+            ap.error(f"unknown configs {names}; choose from {list(known)}")
+        rows = runtime_ab(names, args.smoke, args.repeats, args.new_tokens)
+        cmd = "python tools/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = "\n".join([f"Chain loop vs unrolled chain, `{cmd}`, {cpu_name()}, load {os.getloadavg()[0]:.2f}: "
+                          "median seconds of one generate call (batch 1, one prompt), interleaved.", "",
+                          "| config | new tokens | loop | unrolled | loop / unrolled |", "|---|---:|---:|---:|---:|"]
+                         + [f"| {r['config']} | {r['new_tokens']} | {r['loop_s']:.3f} | {r['unrolled_s']:.3f} | "
+                            f"{r['loop_s'] / r['unrolled_s']:.3f} |" for r in rows]) + "\n"
+        if args.out:
+            Path(args.out).with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+            Path(args.out).with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     names = split_methods(args.configs) if args.configs else list(known)
     bad = [n for n in names if n not in known]
     if bad:

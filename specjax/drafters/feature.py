@@ -219,7 +219,7 @@ class FeatureDrafter(heads.HeadDrafter):
         def evaluate(st, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
             cache, scratch = st
             F = tokens_BxF.shape[1]
-            if depth == 0:
+            if isinstance(depth, int) and depth == 0:  # a traced depth (a chain's loop) is >= 1
                 x_in = fuse(self.head, state.last_feature)[:, None]
             else:
                 x_in = jnp.take_along_axis(scratch, jnp.maximum(parent_slot_BxF, 0)[..., None], axis=1)
