@@ -253,18 +253,20 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     each seeing the scratch slots [0, S) marked in `mask` (its ancestors and itself);
     `parent_slot` is the scratch slot of each node's parent (-1 for the root), for drafters that
     feed a node's own hidden state to its children (EAGLE). `depth` and `offset` are Python ints,
-    except past the root of a chain of depth >= 3, whose steps run in one loop: there they are
-    traced int32 scalars (>= 1) and the mask spans all N scratch slots. Returns
+    except past the root of a chain or a dynamic tree of depth >= 3, whose depths run in one loop:
+    there they are traced int32 scalars (>= 1) and the mask spans all the scratch slots. Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
     if isinstance(spec, StaticTree):
         return _expand_static(spec, root_B, evaluate, state, key, mode, source)
     if mode != "topk":
         raise ValueError("a dynamic tree ranks candidates by score: sampled candidates need a static tree")
+    if spec.depth >= CHAIN_LOOP_MIN_DEPTH:
+        return _expand_dynamic_loop(spec, root_B, evaluate, state, source)
     return _expand_dynamic(spec, root_B, evaluate, state, source)
 
 
-CHAIN_LOOP_MIN_DEPTH = 3  # chains this deep expand in a loop (shallower ones gain nothing from it)
+CHAIN_LOOP_MIN_DEPTH = 3  # chains and dynamic trees this deep expand in a loop (shallower ones gain nothing)
 
 
 def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
@@ -385,6 +387,52 @@ def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):
             front_pool = write + best
             front_parent_slot = off + best // k
         write += k * k
+    tree, _ = select_nodes(pool_tok, pool_par, pool_depth, pool_score, N, source=source)
+    return tree, None, state
+
+
+def _expand_dynamic_loop(spec: DynamicTree, root_B, evaluate, state, source):
+    """`_expand_dynamic` with depths 1 .. D-1 (each k frontier nodes: one shape) in one `fori_loop`:
+    the drafter's step is traced, lowered and compiled twice instead of D times. Inside the loop
+    `depth` and `offset` are traced and each frontier node's mask spans all E evaluated slots (its
+    ancestors and itself set). Same pool, hence the same tree, as the unrolled form."""
+    B, k, D, N = root_B.shape[0], spec.topk, spec.depth, spec.nodes
+    P = spec.pool_size
+    E = 1 + (D - 1) * k
+    eval_anc = jnp.zeros((B, E, E), bool).at[:, 0, 0].set(True)
+    logq, state = evaluate(state, root_B[:, None], 0, 0, eval_anc[:, :1, :1], jnp.full((B, 1), -1, jnp.int32))
+    top_v, top_t = jax.lax.top_k(logq[:, 0], k)  # [B, k]
+    pool_tok = jnp.zeros((B, P), jnp.int32).at[:, 0].set(root_B).at[:, 1:1 + k].set(top_t)
+    pool_par = jnp.full((B, P), -1, jnp.int32).at[:, 1:1 + k].set(0)
+    pool_depth = jnp.zeros((B, P), jnp.int32).at[:, 1:1 + k].set(1)
+    pool_score = jnp.zeros((B, P), jnp.float32).at[:, 1:1 + k].set(top_v)
+    front_pool = jnp.broadcast_to(jnp.arange(1, 1 + k, dtype=jnp.int32), (B, k))
+    front_parent_slot = jnp.zeros((B, k), jnp.int32)
+
+    def body(d, carry):
+        pool_tok, pool_par, pool_depth, pool_score, eval_anc, front_pool, front_parent_slot, state = carry
+        off = 1 + (d - 1) * k  # eval slots of this frontier: [off, off + k)
+        write = 1 + k + (d - 1) * k * k  # pool slots of its candidates: [write, write + k*k)
+        slots = off + jnp.arange(k)
+        par_rows = jnp.take_along_axis(eval_anc, front_parent_slot[..., None], axis=1)  # [B, k, E]
+        rows = par_rows | jax.nn.one_hot(slots, E, dtype=bool)[None]
+        eval_anc = jax.lax.dynamic_update_slice_in_dim(eval_anc, rows, off, axis=1)
+        f_tok = jnp.take_along_axis(pool_tok, front_pool, axis=1)
+        f_score = jnp.take_along_axis(pool_score, front_pool, axis=1)
+        logq, state = evaluate(state, f_tok, d, off, rows, front_parent_slot)
+        top_v, top_t = jax.lax.top_k(logq, k)  # [B, k, k]
+        cand_score = (f_score[..., None] + top_v).reshape(B, k * k)
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), write, axis=1)  # noqa: E731
+        pool_tok = put(pool_tok, top_t.reshape(B, k * k))
+        pool_par = put(pool_par, jnp.repeat(front_pool, k, axis=1))
+        pool_depth = put(pool_depth, jnp.full((B, k * k), d + 1, jnp.int32))
+        pool_score = put(pool_score, cand_score)
+        _, best = jax.lax.top_k(cand_score, k)  # next frontier, as candidate ids (unused after depth D-1)
+        return (pool_tok, pool_par, pool_depth, pool_score, eval_anc, (write + best).astype(jnp.int32),
+                (off + best // k).astype(jnp.int32), state)
+
+    carry = (pool_tok, pool_par, pool_depth, pool_score, eval_anc, front_pool, front_parent_slot, state)
+    pool_tok, pool_par, pool_depth, pool_score, _, _, _, state = jax.lax.fori_loop(1, D, body, carry)
     tree, _ = select_nodes(pool_tok, pool_par, pool_depth, pool_score, N, source=source)
     return tree, None, state
 

@@ -162,8 +162,11 @@ def test_bad_input_is_refused_before_tracing(target, noisy_drafter):
 
 @pytest.mark.parametrize("mode", ["topk", "sample"])
 def test_chain_loop_drafts_what_the_unrolled_chain_drafts(target, noisy_drafter, monkeypatch, mode):
-    """A chain's depths run in one `fori_loop` (traced depth, full-width masks): the tree, its
-    scores and q equal the unrolled expansion's, for the lm and the feature (EAGLE) drafter."""
+    """A chain's depths, and a dynamic tree's depths past the root, run in one `fori_loop` (traced
+    depth, full-width masks): the tree, its scores and q equal the unrolled expansion's, for the lm
+    and the feature (EAGLE) drafter."""
+    import itertools
+
     import jax
     from flax import nnx
     from specjax import sampling, tree as tree_lib
@@ -176,14 +179,16 @@ def test_chain_loop_drafts_what_the_unrolled_chain_drafts(target, noisy_drafter,
     lengths = jnp.asarray([7, 5])
     fam = family(target)
     pre = fam.prefill(target, prompt, lengths, fam.init_cache(target, 2, 64), hidden_layers=(0, 1))
-    spec = tree_lib.parse_tree_spec("chain=5")
-    ctx = DraftContext(spec, mode, sampling.SamplingParams.make(0.8), jax.random.key(2))
-    for d in (noisy_drafter, FeatureDrafter(head, target)):
+    specs = ["chain=5"] + (["depth=4,topk=3,nodes=10"] if mode == "topk" else [])  # dynamic trees rank top-k
+    for spec, d in itertools.product(specs, (noisy_drafter, FeatureDrafter(head, target))):
+        ctx = DraftContext(tree_lib.parse_tree_spec(spec), mode, sampling.SamplingParams.make(0.8), jax.random.key(2))
         state = d.init(prompt, lengths, 64, pre)
         looped = d.propose(state, prompt[:, 0], ctx)
         monkeypatch.setattr(tree_lib, "CHAIN_LOOP_MIN_DEPTH", 10 ** 6)
         unrolled = d.propose(state, prompt[:, 0], ctx)
         monkeypatch.undo()
-        np.testing.assert_array_equal(np.asarray(looped.tree.tokens), np.asarray(unrolled.tree.tokens))
+        for f in ("tokens", "parents", "depth", "valid"):
+            np.testing.assert_array_equal(np.asarray(getattr(looped.tree, f)), np.asarray(getattr(unrolled.tree, f)))
         np.testing.assert_allclose(np.asarray(looped.tree.score), np.asarray(unrolled.tree.score), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(looped.probs), np.asarray(unrolled.probs), atol=1e-6)
+        if unrolled.probs is not None:
+            np.testing.assert_allclose(np.asarray(looped.probs), np.asarray(unrolled.probs), atol=1e-6)

@@ -44,7 +44,9 @@ def _toy_evaluate(V):
     table = jax.nn.log_softmax(jax.random.normal(jax.random.key(3), (V, 8, V)) * 3, axis=-1)
 
     def evaluate(state, tokens_BxF, depth, offset, mask, parent_slot):
-        assert mask.shape[1] == tokens_BxF.shape[1] and mask.shape[2] == offset + tokens_BxF.shape[1]
+        assert mask.shape[1] == tokens_BxF.shape[1]
+        if isinstance(offset, int):  # unrolled: the slots so far; a loop's traced step: all of them
+            assert mask.shape[2] == offset + tokens_BxF.shape[1]
         return table[tokens_BxF, depth], state
     return evaluate, table
 
