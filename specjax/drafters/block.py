@@ -413,9 +413,11 @@ class BlockDrafter(heads.HeadDrafter):
         if not is_chain(ctx.spec):
             return self._propose_tree(state, cache, base, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
-        temps = cfg.confidence_temperatures or (1.0,) * cfg.block_size
-        prev, toks, logqs, probs, confs = root_B, [], [], [], []
-        for k in range(d):  # the Markov walk: the only sequential part
+        temps = jnp.asarray(cfg.confidence_temperatures or (1.0,) * cfg.block_size, jnp.float32)
+        V = base.shape[-1]
+
+        def walk(k, carry):  # the Markov walk, the only sequential part: one step per position, in a loop
+            prev, toks, logqs, probs, confs = carry
             m = markov_embed(self.head, prev)
             logits = position_logits(self.head, base[:, k], m)
             lq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
@@ -424,15 +426,16 @@ class BlockDrafter(heads.HeadDrafter):
             else:  # one child per node: with and without replacement draw alike
                 x = jax.random.categorical(jax.random.fold_in(ctx.key, k), lq, axis=-1).astype(jnp.int32)
             if cfg.confidence:
-                confs.append(jax.nn.sigmoid(confidence_logit(self.head, h[:, k], m) / temps[k]))
-            toks.append(x)
-            logqs.append(jnp.take_along_axis(lq, x[:, None], axis=-1)[:, 0])
-            probs.append(jnp.exp(lq))
-            prev = x
-        tree = tree_lib.chain_tree(root_B, jnp.stack(toks, 1), jnp.stack(logqs, 1))
-        keep = self._keep(jnp.stack(confs, 1) if confs else None, ctx.spec, active)
+                confs = confs.at[:, k].set(jax.nn.sigmoid(confidence_logit(self.head, h[:, k], m) / temps[k]))
+            return (x, toks.at[:, k].set(x), logqs.at[:, k].set(jnp.take_along_axis(lq, x[:, None], axis=-1)[:, 0]),
+                    probs.at[:, k].set(jnp.exp(lq)), confs)
+
+        init = (root_B, jnp.zeros((B, d), jnp.int32), jnp.zeros((B, d), jnp.float32),
+                jnp.zeros((B, d + 1, V), jnp.float32), jnp.zeros((B, d), jnp.float32))  # the leaf's q is never used
+        _, toks, logqs, probs, confs = jax.lax.fori_loop(0, d, walk, init)
+        tree = tree_lib.chain_tree(root_B, toks, logqs)
+        keep = self._keep(confs if cfg.confidence else None, ctx.spec, active)
         tree = dataclasses.replace(tree, valid=jnp.concatenate([jnp.ones((B, 1), bool), keep], axis=1))
-        probs = jnp.stack(probs + [jnp.zeros_like(probs[0])], axis=1)  # the leaf's q is never used
         drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(keep, axis=1, dtype=jnp.int32)
         st = dataclasses.replace(state, cache=cache, drafted=drafted)
         return Proposal(tree=tree, probs=probs, state=st)
