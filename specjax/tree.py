@@ -299,15 +299,21 @@ def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
         return tokens, score, probs, state
 
     tokens, score, probs, state = jax.lax.fori_loop(1, D, body, (tokens, score, probs, state))
+    return _static_buffers(spec, tokens, score, source), probs, state
+
+
+def _static_buffers(spec: StaticTree, tokens_BxN, score_BxN, source) -> TreeBuffers:
+    """A static layout's tree buffers around expanded tokens and scores (a node is valid iff its
+    score is finite)."""
     parents, depth, _ = spec.layout()
-    tree = TreeBuffers(
-        tokens=tokens,
+    B, N = tokens_BxN.shape
+    return TreeBuffers(
+        tokens=tokens_BxN,
         parents=jnp.broadcast_to(jnp.asarray(parents), (B, N)),
         depth=jnp.broadcast_to(jnp.asarray(depth), (B, N)),
-        valid=jnp.isfinite(score),
-        score=score,
+        valid=jnp.isfinite(score_BxN),
+        score=score_BxN,
         source=jnp.full((B, N), source, jnp.int8))
-    return tree, probs, state
 
 
 def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source):
@@ -335,14 +341,7 @@ def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source)
         child_logq = jnp.take_along_axis(logq[:, par_local], child_tok[..., None], axis=-1)[..., 0]
         tokens = tokens.at[:, e:ce].set(child_tok)
         score = score.at[:, e:ce].set(score[:, jnp.asarray(parents[e:ce])] + child_logq)
-    tree = TreeBuffers(
-        tokens=tokens,
-        parents=jnp.broadcast_to(jnp.asarray(parents), (B, N)),
-        depth=jnp.broadcast_to(jnp.asarray(depth), (B, N)),
-        valid=jnp.isfinite(score),
-        score=score,
-        source=jnp.full((B, N), source, jnp.int8))
-    return tree, probs, state
+    return _static_buffers(spec, tokens, score, source), probs, state
 
 
 def _expand_dynamic(spec: DynamicTree, root_B, evaluate, state, source):

@@ -192,6 +192,8 @@ ECE of the cumulative product of confidences against "all positions up to k acce
 are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
 {fmt(calib['ece_before'])}, after {fmt(calib['ece_after'])} ({heldout}).
 """
+    loss_tail = ("\n+ BCE(c_k, 1 − ½‖p_d − p_t‖₁), the Markov head teacher-forced" if dcfg["confidence"] else
+                 ", the Markov head teacher-forced" if dcfg["markov_rank"] else "")
     command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
     card = f"""# {name}
 
@@ -206,8 +208,7 @@ target only (vocabulary and width checked; given `target_path`, the weights dige
 ## Training
 `train/block.py`, config `configs/{name}.json`: {cfg['anchors']} anchors per train-split window of
 {cfg['seq_len']} tokens, batch {cfg['batch_size']}, {cfg['steps']} steps: {info['tokens_trained']:,} target positions,
-{info['block_positions_trained']:,} drafted block positions. Loss {cfg['ce_weight']:g}·CE + {cfg['l1_weight']:g}·Σ_k exp(−k/{cfg['decay']:g})·‖p_d − p_t‖₁
-+ BCE(c_k, 1 − ½‖p_d − p_t‖₁), the Markov head teacher-forced; AdamW lr {cfg['learning_rate']:g}, warm-up
+{info['block_positions_trained']:,} drafted block positions. Loss {cfg['ce_weight']:g}·CE + {cfg['l1_weight']:g}·Σ_k exp(−k/{cfg['decay']:g})·‖p_d − p_t‖₁{loss_tail}; AdamW lr {cfg['learning_rate']:g}, warm-up
 {cfg['warmup_steps']}, cosine decay. Training steps took {timing['train_step_s'] / 60:.1f} min
 ({timing['tokens_per_s']:,.0f} target tokens/s; wall {timing['wall_s'] / 60:.1f} min with evaluation and
 checkpoints) on this repository's CPU machine.
