@@ -326,7 +326,11 @@ def compile_cache(args: argparse.Namespace):
     try:
         return enable_compilation_cache(args.compile_cache)
     except ValueError as e:
-        raise UsageError(f"--compile-cache: {e}") from None
+        if args.compile_cache is not None:
+            raise UsageError(f"--compile-cache: {e}") from None
+        print(f"[specjax] warning: no compilation cache ({e}); compiling afresh (--compile-cache DIR to choose "
+              f"a folder, --no-compile-cache to silence this)", file=sys.stderr)
+        return None
 
 
 def fold_config(args: argparse.Namespace):

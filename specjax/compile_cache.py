@@ -35,18 +35,26 @@ def default_dir() -> Path | None:
     return Path(base) / "specjax" / "jax-compile"
 
 
-def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compile_time_s: float = 0.0) -> Path | None:
+MAX_BYTES = 2 << 30  # least recently used entries go past this (JAX's own eviction)
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compile_time_s: float = 0.0,
+                             max_bytes: int = MAX_BYTES) -> Path | None:
     """Cache compiled programs in `path` (default: `default_dir()`) from now on; returns the folder,
     or None when $SPECJAX_COMPILE_CACHE says off and no path is given.
 
     Every program that took at least `min_compile_time_s` to compile is written (default 0: all of
-    them, so the small eager helpers of loading and padding load from disk too), whatever its size.
-    Calling it again with another folder switches to that folder."""
+    them, so the small eager helpers of loading and padding load from disk too), whatever its size;
+    past `max_bytes` in the folder the least recently used entries are deleted (-1: no limit).
+    Calling it again (with this folder or another, also after `disable_compilation_cache`) takes
+    effect for the next compile. A folder that cannot be made raises ValueError."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     if min_compile_time_s < 0:
         raise ValueError(f"min_compile_time_s must be >= 0, got {min_compile_time_s}")
+    if max_bytes == 0 or max_bytes < -1:
+        raise ValueError(f"max_bytes must be positive or -1 (no limit), got {max_bytes}")
     folder = Path(path).expanduser() if path is not None else default_dir()
     if folder is None:
         return None
@@ -55,12 +63,12 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compi
     except OSError as e:
         raise ValueError(f"compilation cache folder {folder}: {e.strerror or e}") from None
     folder = folder.resolve()
-    if jax.config.jax_compilation_cache_dir not in (None, str(folder)):
-        cc.reset_cache()  # the cache object is built once per process: drop the old folder's
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, no override
+    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+    cc.reset_cache()  # JAX builds its cache object (and decides whether to use one) once: rebuild it
     return folder
 
 

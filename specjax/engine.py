@@ -168,7 +168,7 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
     def body(carry):
         i, tok_B, cache, done_B, n_B, buf_BxM = carry
-        with jax.named_scope("verify_forward"):  # the one-token forward (what speculation replaces)
+        with jax.named_scope("decode"):  # the one-token forward (what speculation replaces)
             out = fam.decode_step(model, tok_B, cache)
         tok_B = sampling.sample(jax.random.fold_in(key, i), out.logits[:, 0], params, greedy)
         tok_B = jnp.where(done_B, 0, tok_B)
@@ -390,11 +390,11 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
                               positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
                               target=cache)
         dstate = drafter.commit(prop.state, committed)
-    return _emit(carry, prop, vd, committed, dstate, cache, active, width, root_B, eos_E, M, D)
+    return _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)
 
 
 @jax.named_scope("emit")
-def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, root_B, eos_E, M: int, D: int):
+def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, eos_E, M: int, D: int):
     """The round's emission: accepted tokens and the bonus into the output buffer, stopping rules, stats."""
     done_B, n_out_B, buf = carry.done, carry.n_out, carry.buf
     # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
@@ -413,7 +413,7 @@ def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, r
                        accepted_at_depth=st.accepted_at_depth
                        + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32),
                        verified_nodes=st.verified_nodes + act * width)
-    new = LoopCarry(r=carry.r + 1, root=jnp.where(active, vd.bonus, root_B), cache=cache, dstate=dstate,
+    new = LoopCarry(r=carry.r + 1, root=jnp.where(active, vd.bonus, carry.root), cache=cache, dstate=dstate,
                     done=done_B, n_out=n_out_B, buf=buf, stats=stats)
     return new, RoundOutput(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
 

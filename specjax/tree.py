@@ -253,20 +253,23 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     each seeing the scratch slots [0, S) marked in `mask` (its ancestors and itself);
     `parent_slot` is the scratch slot of each node's parent (-1 for the root), for drafters that
     feed a node's own hidden state to its children (EAGLE). `depth` and `offset` are Python ints,
-    except past the root of a chain or a dynamic tree of depth >= 3, whose depths run in one loop:
-    there they are traced int32 scalars (>= 1) and the mask spans all the scratch slots. Returns
+    except in a tree of depth >= `LOOP_MIN_DEPTH` that is a chain or dynamic: its depths past the
+    root run in one `fori_loop`, where they are traced int32 scalars (>= 1) and the mask spans every
+    slot the expansion evaluates (N for a chain, 1 + (D-1)·topk for a dynamic tree; the slots after
+    a node are not visible). Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
     if isinstance(spec, StaticTree):
         return _expand_static(spec, root_B, evaluate, state, key, mode, source)
     if mode != "topk":
         raise ValueError("a dynamic tree ranks candidates by score: sampled candidates need a static tree")
-    if spec.depth >= CHAIN_LOOP_MIN_DEPTH:
+    if spec.depth >= LOOP_MIN_DEPTH:
         return _expand_dynamic_loop(spec, root_B, evaluate, state, source)
     return _expand_dynamic(spec, root_B, evaluate, state, source)
 
 
-CHAIN_LOOP_MIN_DEPTH = 3  # chains and dynamic trees this deep expand in a loop (shallower ones gain nothing)
+LOOP_MIN_DEPTH = 3  # chains and dynamic trees this deep expand their depths past the root in a loop
+# (shallower ones would compile as many drafter steps either way; the unrolled forms stay for them)
 
 
 def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
@@ -295,7 +298,7 @@ def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok[:, None], d + 1, axis=1)
         prev = jax.lax.dynamic_slice_in_dim(score, d, 1, axis=1)
         score = jax.lax.dynamic_update_slice_in_dim(score, prev + lq[:, None], d + 1, axis=1)
-        probs = jax.lax.dynamic_update_slice_in_dim(probs, jnp.exp(logq), d, axis=1)
+        probs = jax.lax.dynamic_update_slice_in_dim(probs, jnp.exp(logq).astype(probs.dtype), d, axis=1)
         return tokens, score, probs, state
 
     tokens, score, probs, state = jax.lax.fori_loop(1, D, body, (tokens, score, probs, state))
@@ -317,7 +320,7 @@ def _static_buffers(spec: StaticTree, tokens_BxN, score_BxN, source) -> TreeBuff
 
 
 def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source):
-    if spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= CHAIN_LOOP_MIN_DEPTH:  # a chain: steps in a loop
+    if spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= LOOP_MIN_DEPTH:  # a chain: steps in a loop
         return _expand_chain(spec, root_B, evaluate, state, key, mode, source)
     parents, depth, rank = spec.layout()
     anc = static_ancestors(parents)

@@ -244,6 +244,14 @@ def test_compile_cache_usage_errors(capsys, model_dir, tmp_path):
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def test_unusable_default_cache_folder_warns_and_runs(capsys, model_dir, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", str(tmp_path / "file" / "c"))  # the default, not a flag
+    assert main(["generate", "--model", model_dir, "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: no compilation cache" in err and "Traceback" not in err
+
+
 def test_speculative_flags(capsys, model_dir, loaded):
     """--drafter (a model directory, and ngram) with --tree: same greedy tokens, plus tau stats."""
     model, tok = loaded

@@ -184,7 +184,7 @@ def test_chain_loop_drafts_what_the_unrolled_chain_drafts(target, noisy_drafter,
         ctx = DraftContext(tree_lib.parse_tree_spec(spec), mode, sampling.SamplingParams.make(0.8), jax.random.key(2))
         state = d.init(prompt, lengths, 64, pre)
         looped = d.propose(state, prompt[:, 0], ctx)
-        monkeypatch.setattr(tree_lib, "CHAIN_LOOP_MIN_DEPTH", 10 ** 6)
+        monkeypatch.setattr(tree_lib, "LOOP_MIN_DEPTH", 10 ** 6)
         unrolled = d.propose(state, prompt[:, 0], ctx)
         monkeypatch.undo()
         for f in ("tokens", "parents", "depth", "valid"):

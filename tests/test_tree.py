@@ -45,8 +45,10 @@ def _toy_evaluate(V):
 
     def evaluate(state, tokens_BxF, depth, offset, mask, parent_slot):
         assert mask.shape[1] == tokens_BxF.shape[1]
-        if isinstance(offset, int):  # unrolled: the slots so far; a loop's traced step: all of them
+        if isinstance(offset, int):  # unrolled (and a loop's root): the slots so far
             assert mask.shape[2] == offset + tokens_BxF.shape[1]
+        else:  # a loop's traced step: every evaluated slot (the tests' trees: chains of 4, dynamic 3 x 3)
+            assert mask.shape[2] in (5, 1 + 2 * 3)
         return table[tokens_BxF, depth], state
     return evaluate, table
 

@@ -180,6 +180,7 @@ def child(args) -> dict:
            **{f"{k}_s": union_seconds(v) for k, v in spans.items()},
            "compile_total_s": union_seconds([s for v in spans.values() for s in v]),
            "compile_by_function_s": dict(sorted(by_fun.items(), key=lambda kv: -kv[1])[:5])}
+    out["process_s"] = time.perf_counter() - T_START  # before the parts below (not part of a user's run)
     if args.parts:  # trace the big program once more (not timed) and count its equations per part
         fn = engine._generate_spec if drafters else engine._generate_ar
         seen = {}
@@ -196,7 +197,6 @@ def child(args) -> dict:
             setattr(engine, name, fn)
         a, kw = seen["args"]
         out["jaxpr_eqns_by_part"] = jaxpr_parts(fn.trace(*a, **kw).jaxpr)
-    out["process_s"] = time.perf_counter() - T_START
     return out
 
 
@@ -257,33 +257,48 @@ def render(rows: list[dict], cli: dict | None, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def runtime_ab(names: list[str], smoke: bool, repeats: int, new_tokens: int) -> list[dict]:
-    """The chain loop's runtime against the unrolled chain (`tree.CHAIN_LOOP_MIN_DEPTH`), in this
-    process, interleaved: median seconds of a generate call (compiled first) per form."""
-    import statistics
-    from specjax import tree as tree_lib
+def ab_child(args) -> dict:
+    """One form of the loop A/B in this process: compile, then time `repeats` generate calls."""
     import specjax
+    from specjax import tree as tree_lib
+    if args.ab_form == "unrolled":
+        tree_lib.LOOP_MIN_DEPTH = 10 ** 6
+    target, drafters, tree, prompt = load(args.child, args.smoke)
+    kwargs = dict(max_new_tokens=args.new_tokens, eos_token_id=(), drafters=drafters, tree=tree)
+    specjax.generate(target, [prompt], **kwargs)  # compiles
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        res = specjax.generate(target, [prompt], **kwargs)
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "tokens": res.sequences()[0]}
+
+
+def runtime_ab(names: list[str], smoke: bool, repeats: int, new_tokens: int, rounds: int = 2) -> list[dict]:
+    """The looped depths' runtime against the unrolled form (`tree.LOOP_MIN_DEPTH`): each form in
+    its own processes (a jitted program is cached by its static arguments, which do not see the
+    switch), alternated loop / unrolled `rounds` times; medians of all timed calls."""
+    import statistics
     out = []
     for name in names:
-        target, drafters, tree, prompt = load(name, smoke)
-        kwargs = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=drafters, tree=tree)
-        default = tree_lib.CHAIN_LOOP_MIN_DEPTH
-        forms = {"loop": default, "unrolled": 10 ** 6}
-        times = {f: [] for f in forms}
-        seqs = {}
-        for r in range(repeats + 1):
-            for f, v in forms.items():
-                tree_lib.CHAIN_LOOP_MIN_DEPTH = v
-                try:
-                    t0 = time.perf_counter()
-                    res = specjax.generate(target, [prompt], **kwargs)
-                    seqs[f] = res.sequences()
-                    if r:  # the first call of each form compiles
-                        times[f].append(time.perf_counter() - t0)
-                finally:
-                    tree_lib.CHAIN_LOOP_MIN_DEPTH = default
-        assert seqs["loop"] == seqs["unrolled"], f"{name}: the two forms wrote other tokens"
-        out.append({"config": name, "new_tokens": new_tokens, "repeats": repeats,
+        times, tokens = {"loop": [], "unrolled": []}, {}
+        for _ in range(rounds):
+            for form in times:
+                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                    path = f.name
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--ab-form", form,
+                       "--repeats", str(repeats), "--new-tokens", str(new_tokens), "--child-out", path]
+                proc = subprocess.run(cmd + ["--smoke"] * smoke, capture_output=True, text=True,
+                                      env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{name} ({form}): child failed:\n{proc.stderr[-4000:]}")
+                r = json.loads(Path(path).read_text())
+                os.unlink(path)
+                times[form] += r["times"]
+                tokens[form] = r["tokens"]
+        if tokens["loop"] != tokens["unrolled"]:
+            raise RuntimeError(f"{name}: the two forms wrote other tokens")
+        out.append({"config": name, "new_tokens": new_tokens, "calls": len(times["loop"]),
                     **{f"{f}_s": statistics.median(v) for f, v in times.items()}})
     return out
 
@@ -295,17 +310,18 @@ def main(argv=None):
     ap.add_argument("--no-cli", action="store_true", help="skip the CLI wall-time rows")
     ap.add_argument("--out", default=None)
     ap.add_argument("--runtime-ab", default=None, metavar="CONFIGS",
-                    help="instead: time each chain config's generate call with the chain loop and unrolled, "
-                         "interleaved in one process (medians)")
-    ap.add_argument("--repeats", type=int, default=7, help="with --runtime-ab")
+                    help="instead: time each config's generate call with its depths looped and unrolled "
+                         "(tree.LOOP_MIN_DEPTH), each form in its own processes, alternated (medians)")
+    ap.add_argument("--repeats", type=int, default=5, help="with --runtime-ab: timed calls per process")
     ap.add_argument("--new-tokens", type=int, default=128, help="with --runtime-ab")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--parts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ab-form", default=None, choices=["loop", "unrolled"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        Path(args.child_out).write_text(json.dumps(child(args)))
+        Path(args.child_out).write_text(json.dumps(ab_child(args) if args.ab_form else child(args)))
         return 0
     from tools.bench import split_methods
     from tools.bench_ar import cpu_name
@@ -316,8 +332,9 @@ def main(argv=None):
             ap.error(f"unknown configs {names}; choose from {list(known)}")
         rows = runtime_ab(names, args.smoke, args.repeats, args.new_tokens)
         cmd = "python tools/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = "\n".join([f"Chain loop vs unrolled chain, `{cmd}`, {cpu_name()}, load {os.getloadavg()[0]:.2f}: "
-                          "median seconds of one generate call (batch 1, one prompt), interleaved.", "",
+        text = "\n".join([f"Looped depths vs the unrolled expansion, `{cmd}`, {cpu_name()}, load "
+                          f"{os.getloadavg()[0]:.2f}: median seconds of one generate call (batch 1, one prompt, "
+                          "EOS ignored), each form in its own processes, alternated.", "",
                           "| config | new tokens | loop | unrolled | loop / unrolled |", "|---|---:|---:|---:|---:|"]
                          + [f"| {r['config']} | {r['new_tokens']} | {r['loop_s']:.3f} | {r['unrolled_s']:.3f} | "
                             f"{r['loop_s'] / r['unrolled_s']:.3f} |" for r in rows]) + "\n"
