@@ -11,7 +11,7 @@ Per process: seconds of tracing (jaxpr), lowering (jaxpr -> StableHLO) and XLA c
 union of JAX's own compile-event spans, `jax.monitoring`, as the CLI's compile_s), the first
 generate call's wall time and a second call's (the run alone), and the process's wall time.
 Where the big program's size goes, per part of the round (named scopes of `specjax.engine`:
-prefill, draft_init, draft, verify_forward, verify_walk, commit, emit; `other` is the loop's own
+prefill, draft_init, draft, verify_forward, verify_walk, commit, emit; AR: prefill, decode; `other` is the loop's own
 glue): jaxpr equations of the traced program, sub-jaxprs included (a proxy for what tracing,
 lowering and XLA work on). And the CLI's wall time for the issue's command
 (`python -m specjax generate ... --drafter models/code-draft --tree chain=4`), cold and warm.
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 PROMPT = "def add(a, b):"
 NEW_TOKENS = 24
-PARTS = ("prefill", "draft_init", "draft", "verify_forward", "verify_walk", "commit", "emit")
+PARTS = ("prefill", "draft_init", "draft", "verify_forward", "verify_walk", "commit", "emit", "decode")
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
           "/jax/core/compile/backend_compile_duration": "compile"}
