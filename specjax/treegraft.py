@@ -241,6 +241,10 @@ class TreeGraft(Drafter):
         return self.strong.vocab_size if self.strong.vocab_size is not None else self.cheap.vocab_size
 
     @property
+    def reads_target_state(self) -> bool:
+        return self.cheap.reads_target_state or self.strong.reads_target_state
+
+    @property
     def target_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.cheap.target_layers) | set(self.strong.target_layers)))
 

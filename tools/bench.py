@@ -71,12 +71,14 @@ class Method:
     verify: str | None = None  # None: the engine's default rule (greedy at T=0, deterministic candidates at T>0)
     confidence: object = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
+    zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
     """A block drafter's chain of its block size: confidence off, at `threshold` and (given costs)
     scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only); and a
-    dynamic tree from the same one pass (`BLOCK_TREE`, greedy)."""
+    dynamic tree from the same one pass (`BLOCK_TREE`, greedy). A state-reading drafter (ReaDy)
+    also gets its ablation: the chain with the reader on zeroed states, greedy and at T=1."""
     chain = f"chain={drafter.head.config.block_size}"
     variants = [("", "off", None)]
     if drafter.head.config.confidence:
@@ -89,6 +91,9 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
         out += [Method(base, name, chain, confidence=conf, costs=costs),
                 Method(f"{base} T=1", name, chain, 1.0, confidence=conf, costs=costs),
                 Method(f"{base} T=1 sampled", name, chain, 1.0, verify="sampled", confidence=conf, costs=costs)]
+    if drafter.head.config.reads_state:
+        out += [Method(f"{name} {chain} zero-state", name, chain, zero_state=True),
+                Method(f"{name} {chain} zero-state T=1", name, chain, 1.0, zero_state=True)]
     depth = min(BLOCK_TREE[0], drafter.head.config.block_size)
     if depth < 2:  # a one-position block has no tree to speak of
         return out
@@ -142,10 +147,10 @@ def warmup_groups(groups):
 def method_drafter(target, drafters, m: Method):
     """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
     d = drafters[m.drafter]
-    if m.confidence != "off" or m.costs is not None:
+    if m.confidence != "off" or m.costs is not None or m.zero_state:
         if not isinstance(d, BlockDrafter):
-            raise ValueError(f"method {m.name!r}: a confidence cut needs a block drafter")
-        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs)
+            raise ValueError(f"method {m.name!r}: a confidence cut or a zeroed state needs a block drafter")
+        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs, zero_state=m.zero_state)
     return d
 
 
@@ -181,7 +186,7 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
             row["mean_draft_len"] = drafted / max(int(rounds.sum()), 1)
         if draft_ms is not None:
             mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
-            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode)
+            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state)
             if key not in draft_ms:
                 draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
                                                      mode=mode)
@@ -328,9 +333,12 @@ def zoo_setup(args):
         drafters["lm"] = load_drafter(args.draft, target)
     if args.feature and os.path.isdir(args.feature):
         drafters["feature"] = load_drafter(args.feature, target, target_path=args.target)
-    for name, d in (("dspark", args.dspark), ("dflash", args.dflash)):  # block drafters, where trained
-        if d and os.path.isdir(d):
+    extra = [tuple(x.split("=", 1)) for x in args.block]
+    for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready)] + extra:
+        if d and os.path.isdir(d):  # block drafters, where trained
             drafters[name] = load_drafter(d, target, target_path=args.target)
+        elif (name, d) in extra:
+            raise ValueError(f"--block {name}={d}: no such directory")
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
@@ -392,6 +400,12 @@ def main(argv=None):
     ap.add_argument("--dflash", default=None,
                     help="DFlash block drafter, the DSpark ablation without the Markov / confidence heads "
                          "(default: TARGET-dflash where it exists; '' for none)")
+    ap.add_argument("--ready", default=None,
+                    help="ReaDy block drafter, DSpark reading the hybrid target's recurrent states "
+                         "(default: TARGET-ready where it exists; '' for none)")
+    ap.add_argument("--block", action="append", default=[], metavar="NAME=DIR",
+                    help="another block drafter under a method name of its own (repeatable), e.g. an ablation: "
+                         "--block ready-l6=runs/ready-l6-export")
     ap.add_argument("--dspark-threshold", type=float, default=0.5,
                     help="confidence threshold of the 'dspark ... conf=T' methods (default 0.5)")
     ap.add_argument("--verify-profile", default=None,
@@ -415,6 +429,12 @@ def main(argv=None):
         args.dspark = f"{args.target.rstrip('/')}-dspark"
     if args.dflash is None:
         args.dflash = f"{args.target.rstrip('/')}-dflash"
+    if args.ready is None:
+        args.ready = f"{args.target.rstrip('/')}-ready"
+    for x in args.block:
+        name, eq, d = x.partition("=")
+        if not eq or not name or not d or " " in name:
+            ap.error(f"--block {x!r}: expected NAME=DIR (a name without spaces)")
     if not 0 < args.dspark_threshold < 1:
         ap.error(f"--dspark-threshold must be in (0, 1), got {args.dspark_threshold}")
 
@@ -424,7 +444,10 @@ def main(argv=None):
     else:
         if not os.path.isdir(args.target):
             ap.error(f"{args.target}: no target model (train the zoo: make models)")
-        target, drafters, prompts = zoo_setup(args)
+        try:
+            target, drafters, prompts = zoo_setup(args)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         costs, profile_used = schedule_costs(args, target, drafters,
                                              log=lambda s: print(s, file=sys.stderr, flush=True))

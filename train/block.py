@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk
-from specjax.models import family, transformer
+from specjax.models import family, hybrid, transformer
 from train import data, drafter_run
 from train.lm import REPO, RunRefused, _resolve, load_streams_for
 
@@ -58,6 +58,13 @@ class BlockTrainConfig:
     confidence: bool = True
     target_layers: tuple[int, ...] | None = None  # None: low / middle / high
     intermediate_size: int | None = None  # None: the target's
+    # ReaDy (design §5c): read the hybrid target's committed Gated DeltaNet states
+    state_layers: tuple[int, ...] | str | None = None  # target layers, "all", or None (DSpark / DFlash)
+    reader_rank: int = 8
+    reader_out_rank: int = 64
+    reader_layer: int = 1
+    state_every: int = 8  # the state pass's chunk: anchors sit at multiples of it (their states come free)
+    init_from: str | None = None  # a trained block drafter to start from (its parameters; the reader fresh)
     anchors: int = 32  # blocks per sequence
     ce_weight: float = 0.1
     l1_weight: float = 0.9
@@ -86,7 +93,9 @@ def load_config(path) -> BlockTrainConfig:
 def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
     return Bk.BlockConfig.for_target(target.config, block_size=cfg.block_size, num_layers=cfg.num_layers,
                                      markov_rank=cfg.markov_rank, confidence=cfg.confidence,
-                                     target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size)
+                                     target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size,
+                                     state_layers=cfg.state_layers or (), reader_rank=cfg.reader_rank,
+                                     reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer)
 
 
 def sample_anchors(key, B: int, T: int, A: int, W: int):
@@ -103,20 +112,54 @@ def eval_anchors(B: int, T: int, A: int, W: int):
     return jnp.broadcast_to(jnp.linspace(1, T - W - 1, A).astype(jnp.int32)[None], (B, A))
 
 
-def _target_pass(target, tokens_BxT, layers):
+def grid_anchors(key, B: int, T: int, A: int, W: int, every: int, evenly: bool = False):
+    """ReaDy's anchors: [B, A] distinct multiples of `every` in [every, T - W - 1] (the state pass
+    gives the target's state after each multiple of `every` tokens, so these cost nothing more);
+    random per row, or evenly spaced (validation)."""
+    n = (T - W - 1) // every
+    if A > n:
+        raise ValueError(f"{A} anchors do not fit a sequence of {T} tokens on a grid of {every} with blocks of {W}: "
+                         f"at most {n} (lower anchors or state_every)")
+    if evenly:
+        m = jnp.linspace(1, n, A).astype(jnp.int32)
+        return jnp.broadcast_to(m[None] * every, (B, A))
+    u = jax.random.uniform(key, (B, n))
+    return ((jnp.sort(jnp.argsort(u, axis=1)[:, :A], axis=1) + 1) * every).astype(jnp.int32)
+
+
+def anchors_for(cfg: BlockTrainConfig, hcfg: Bk.BlockConfig, key, B: int, T: int, evenly: bool = False):
+    """The anchors of a batch: anywhere (DSpark / DFlash) or on the state grid (ReaDy)."""
+    W = hcfg.block_size
+    if hcfg.reads_state:
+        return grid_anchors(key, B, T, cfg.anchors, W, cfg.state_every, evenly)
+    return eval_anchors(B, T, cfg.anchors, W) if evenly else sample_anchors(key, B, T, cfg.anchors, W)
+
+
+def _target_pass(target, tokens_BxT, hcfg: Bk.BlockConfig, anchors_BxA, every: int):
+    """(features, logits, states at the anchors or None), all without gradient. ReaDy: the states are
+    the read layers' committed states when the anchor is the round's root (after tokens < a_j),
+    [L_read, B, A, H, dk, dv], from one chunked pass (`hybrid.prefix_states`)."""
     B, T = tokens_BxT.shape
+    layers = hcfg.target_layers
+    sg = jax.lax.stop_gradient
+    if hcfg.reads_state:
+        out, states = hybrid.prefix_states(target, tokens_BxT, every, hidden_layers=layers)
+        idx = Bk.check_state_target(hcfg, target)
+        states = states[jnp.asarray(idx)]  # [L_read, B, T // every, H, dk, dv]
+        at = jnp.take_along_axis(states, (anchors_BxA // every - 1)[None, :, :, None, None, None], axis=2)
+        return sg(Bk.target_features(out)), sg(out.logits), sg(at)
     fam = family(target)  # a dense or a hybrid target: the same features, its own cache
     out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
                       transformer.causal_mask(B, T), hidden_layers=layers)
-    return jax.lax.stop_gradient(Bk.target_features(out)), jax.lax.stop_gradient(out.logits)
+    return sg(Bk.target_features(out)), sg(out.logits), None
 
 
 def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig):
     """(loss, metrics): the DSpark objective on teacher-forced blocks."""
     hc = head.config
     W = hc.block_size
-    feats, tlogits = _target_pass(target, tokens_BxT, hc.target_layers)
-    logits, conf, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA)  # [B, A, W, V]
+    feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
+    logits, conf, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)  # [B, A, W, V]
     B, A = anchors_BxA.shape
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
     p_t = jax.nn.softmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W, -1)
@@ -136,12 +179,15 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig):
     return loss, {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
 
 
-def eval_blocks(head, target, tokens_BxT, anchors_BxA):
-    """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None)."""
+def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int = 8, zero_state: bool = False):
+    """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None).
+    `zero_state`: ReaDy's ablation, the reader on zeroed states."""
     hc = head.config
     W = hc.block_size
-    feats, tlogits = _target_pass(target, tokens_BxT, hc.target_layers)
-    _, _, h, base = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA)
+    feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, every)
+    if zero_state:
+        states = jnp.zeros_like(states)
+    _, _, h, base = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)
     B, A = anchors_BxA.shape
     anchor_tok = jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)
     toks, conf = Bk.self_fed_walk(head, base.reshape(B * A, W, -1), h.reshape(B * A, W, -1), anchor_tok.reshape(-1))
@@ -166,34 +212,58 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, tokens):
         B, T = tokens.shape
-        anchors = sample_anchors(jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), B, T,
-                                 cfg.anchors, hcfg.block_size)
+        anchors = anchors_for(cfg, hcfg, jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), B, T)
         (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
         return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1},
                 {"loss": loss, **m, "lr": schedule(state["step"])})
 
-    @jax.jit
-    def eval_step(params, tokens):
+    @functools.partial(jax.jit, static_argnames="zero_state")
+    def eval_step(params, tokens, zero_state=False):
         B, T = tokens.shape
-        anchors = eval_anchors(B, T, cfg.anchors, hcfg.block_size)
+        anchors = anchors_for(cfg, hcfg, None, B, T, evenly=True)
         loss, m = loss_of(params, tokens, anchors)
-        agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors)
+        agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors,
+                                            cfg.state_every, zero_state)
         return loss, m, agree, accepted, conf
 
     def init():
-        params = nnx.state(Bk.BlockHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param)
+        head = Bk.BlockHead(hcfg, nnx.Rngs(cfg.seed))
+        if cfg.init_from:
+            start_from(head, _resolve(cfg.init_from))
+        params = nnx.state(head, nnx.Param)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return target, hcfg, head_def, train_step, eval_step, init
 
 
-def evaluate(eval_step, params, windows, batch_size) -> tuple[dict, np.ndarray | None, np.ndarray]:
+def start_from(head: Bk.BlockHead, path) -> None:
+    """Copies a trained block drafter's parameters into `head` wherever names and shapes match (a
+    ReaDy head from a DSpark one: everything but the fresh reader); ValueError when nothing matches
+    or a shared name has another shape."""
+    from safetensors.numpy import load_file
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
+    copied = 0
+    for key, var in flat.items():
+        name = ".".join(map(str, key))
+        if name in tensors:
+            if tuple(tensors[name].shape) != tuple(var.get_value().shape):
+                raise ValueError(f"init_from {path}: {name!r} has shape {tensors[name].shape}, "
+                                 f"expected {var.get_value().shape}")
+            var.set_value(jnp.asarray(tensors[name].astype("float32"), var.get_value().dtype))
+            copied += 1
+    if not copied:
+        raise ValueError(f"init_from {path}: no parameter of this drafter is there")
+    nnx.update(head, nnx.from_flat_state(flat))
+
+
+def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[dict, np.ndarray | None, np.ndarray]:
     """(record, confidence logits [N, W] or None, accepted [N, W]) over the validation windows."""
     n = (len(windows) // batch_size) * batch_size or len(windows)
     losses, l1, agree_tf, agree, accepted, conf = [], [], [], [], [], []
     for i in range(0, n, batch_size):
-        loss, m, ag, acc, cf = eval_step(params, jnp.asarray(windows[i:i + batch_size]))
+        loss, m, ag, acc, cf = eval_step(params, jnp.asarray(windows[i:i + batch_size]), zero_state=zero_state)
         losses.append(float(loss))
         l1.append(np.asarray(m["l1"]))
         agree_tf.append(np.asarray(m["agree_tf"]))
@@ -285,6 +355,8 @@ def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, ru
             "timing": {"train_step_s": round(train_s, 1), "wall_s": round(sum(t["wall_s"] for t in timing), 1),
                        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "sessions": timing},
             "final": record, "calibration": calibration}
+    if head.config.reads_state:  # ReaDy's ablation on the shipped weights: the reader on zeroed states
+        info["final_zero_state"], _, _ = evaluate(eval_step, params, val, cfg.batch_size, zero_state=True)
     (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"exported {export_dir}")
 

@@ -19,10 +19,11 @@ RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between se
 
 
 def load_config(cls, path):
-    """A trainer's frozen config dataclass from JSON (`target_layers` as a tuple); unknown keys refused."""
+    """A trainer's frozen config dataclass from JSON (layer lists as tuples); unknown keys refused."""
     raw = json.loads(Path(path).read_text())
-    if raw.get("target_layers") is not None:
-        raw["target_layers"] = tuple(raw["target_layers"])
+    for key in ("target_layers", "state_layers"):  # layer lists (a config is hashable: tuples)
+        if isinstance(raw.get(key), list):
+            raw[key] = tuple(raw[key])
     unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
@@ -33,6 +34,8 @@ def config_record(cfg) -> dict:
     """The config as JSON-ready values (what `train_info.json` stores and `load_config` reads back)."""
     d = dataclasses.asdict(cfg)
     d["target_layers"] = list(d["target_layers"]) if d.get("target_layers") else None
+    if isinstance(d.get("state_layers"), tuple):
+        d["state_layers"] = list(d["state_layers"])
     return d
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 from specjax.checkpoint import load_model
 from specjax.models.config import HybridConfig
 from train import corpus, eval_ppl
+from train.lm import REPO
 from train.lm import repo_relative as _rel
 
 
@@ -195,6 +196,9 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
     loss_tail = ("\n+ BCE(c_k, 1 − ½‖p_d − p_t‖₁), the Markov head teacher-forced" if dcfg["confidence"] else
                  ", the Markov head teacher-forced" if dcfg["markov_rank"] else "")
     command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
+    reader_text = _reader_section(dcfg, cfg, info, fmt) if dcfg.get("state_layers") else ""
+    if dcfg.get("state_layers"):
+        kind = "ReaDy (" + kind + ", reading the target's recurrent states)"
     card = f"""# {name}
 
 One-pass block drafter for `{cfg['target']}` (`specjax/drafters/block.py`, design §5b), {kind}.
@@ -226,7 +230,7 @@ conditioned on the data, not on the draft; `tools/bench.py` measures the real τ
 | ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
 
 Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
-{calib_text}
+{reader_text}{calib_text}
 ## Reproduce
 ```
 {command}
@@ -235,6 +239,46 @@ python -m train.model_card --model models/{name}
 """
     return card, {"name": model_dir.name, "config": name, "params": n_params, "bytes": size, "val": final,
                   "calibration": calib}
+
+
+def _reader_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:
+    """ReaDy's card section: the reader's config, how the training states were had, the zeroed-state
+    ablation and the DSpark drafter of the same target side by side (where it is in the zoo)."""
+    H, K, V = dcfg["state_shape"]
+    L = len(dcfg["state_layers"])
+    where = (f"the input of backbone layer {dcfg['reader_layer']}" if dcfg["reader_layer"] < dcfg["num_layers"]
+             else "the backbone's output, before the final norm")
+    rows = [("this model", info["final"])]
+    if "final_zero_state" in info:
+        rows.append(("this model, reader on zeroed states", info["final_zero_state"]))
+    target_name = Path(cfg["target"]).name
+    peer = Path(cfg["target"]).parent / f"{target_name}-dspark" / "train_info.json"
+    if not peer.is_absolute():
+        peer = REPO / peer
+    if peer.exists():
+        pinfo = json.loads(peer.read_text())
+        rows.append((f"`{peer.parent.name}` (DSpark, {pinfo['run']['config']['steps']} steps)", pinfo["final"]))
+    table = "\n".join(f"| {n} | {fmt(r['val_accept'])} | {r['val_tau_estimate']:.2f} |" for n, r in rows)
+    start = f"started from `{cfg['init_from']}`" if cfg.get("init_from") else "trained from scratch"
+    return f"""
+## Recurrent-state reader (ReaDy, design §5c)
+Reads the committed Gated DeltaNet state S [{H}, {K}, {V}] of target layers {dcfg['state_layers']} ({L} layers):
+per layer, head and block position a query q = A(Bᵀ·norm(h_p)) + e_p (rank {dcfg['reader_rank']}, a learned
+query per position), o = Sᵀq, RMSNorm over d_v, all {L}×{H} read-outs concatenated and projected by
+U (rank {dcfg['reader_out_rank']}, zero-initialised) onto {where}. The state is the one committed
+after the last accepted token (the same for every node of a round's tree).
+Training states: the target's chunked forward with chunks of {cfg['state_every']} tokens gives its state
+at every multiple of {cfg['state_every']} (`hybrid.prefix_states`), and the anchors are drawn on that grid
+(the state of an anchor at a is the state after the tokens before a, as when a is a round's root); {start}.
+
+| validation (self-fed) | acceptance by position | τ estimate |
+|---|---|---|
+{table}
+
+The zeroed-state row is the same weights with S = 0 (the reader then adds nothing): what the state
+itself is worth. The DSpark row's validation blocks start anywhere, this model's on the grid of
+{cfg['state_every']}: both are {cfg['anchors']} evenly spread blocks per window of the same split.
+"""
 
 
 def _comparison(name: str, n_params: int, tokens: int, test: dict, others: tuple[Path, ...]) -> str:

@@ -34,6 +34,19 @@ conditional row (DFlash: the marginal b_d), expanded depth by depth through the 
 (`tree.expand`). Confidence cuts apply to chains only. The best-first (DDTree) and TreeFlash trees
 of design §5e are not built here.
 
+ReaDy (design §5c; `state_layers` set, a hybrid target only): the block also reads the target's
+committed Gated DeltaNet states S_l [H_v, dk, dv] of the read layers, after the last committed token
+(`init`: the prefill's cache; `commit`: `Committed.target`; held in `BlockState.target_state`):
+    q_{l,p,h} = A_l(B_l^T norm(h_p)) + e_{l,p,h}   rank `reader_rank`, e a learned query per position
+    o_{l,p,h} = S_{l,h}^T q_{l,p,h}                RMSNorm over d_v, concatenated over heads and layers
+    h_p <- h_p + U(o_p)                            U = U_in . U_out, rank `reader_out_rank`, U_out = 0
+at the input of backbone layer `reader_layer` (`num_layers`: before the final norm). Every node of a
+round's tree reads the same committed state (the nodes' own states exist only after verification).
+`zero_state=True` is the ablation: the same weights on S = 0, where the reader adds exactly nothing.
+Departures from the ReaDy paper (no public code): one RMSNorm weight per read layer over d_v, a
+low-rank U (the paper's reader is low-rank in its query only), and the training states come from
+the target's chunked pass at anchors on a grid (`hybrid.prefix_states`, `train.block`).
+
 A cut selects one of a few compiled verify widths (`verify_widths`, the engine's `lax.switch`,
 design §3b), so a shorter draft is a cheaper verification, not a masked one.
 
@@ -45,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +93,12 @@ class BlockConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     confidence_temperatures: tuple[float, ...] | None = None  # per position, from calibration
+    # ReaDy (design §5c): the recurrent-state reader, on when `state_layers` is not empty
+    state_layers: tuple[int, ...] = ()  # the target's Gated DeltaNet layers whose committed state is read
+    state_shape: tuple[int, int, int] | None = None  # (H_v, dk, dv) of the target's delta-rule state
+    reader_rank: int = 8  # rank of the query map A(B^T norm(h))
+    reader_out_rank: int = 64  # rank of the zero-initialised output map U
+    reader_layer: int = 1  # the backbone layer whose input gets h + U(o) (num_layers: before the final norm)
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -92,18 +112,50 @@ class BlockConfig:
         t = self.confidence_temperatures
         if t is not None and len(t) != self.block_size:
             raise ValueError(f"confidence_temperatures has {len(t)} entries for block_size {self.block_size}")
+        if self.state_layers:
+            if self.state_shape is None or len(self.state_shape) != 3:
+                raise ValueError("a state reader (state_layers) needs state_shape (H_v, dk, dv) of the target's state")
+            if len(set(self.state_layers)) != len(self.state_layers):
+                raise ValueError(f"state_layers {self.state_layers} repeats a layer")
+            if self.reader_rank < 1 or self.reader_out_rank < 1:
+                raise ValueError(f"reader ranks must be >= 1, got {self.reader_rank} / {self.reader_out_rank}")
+            if not 0 <= self.reader_layer <= self.num_layers:
+                raise ValueError(f"reader_layer must be in 0..{self.num_layers} (the backbone layer whose input is "
+                                 f"updated; {self.num_layers}: before the final norm), got {self.reader_layer}")
+
+    @property
+    def reads_state(self) -> bool:
+        """ReaDy: the block reads the target's committed recurrent states."""
+        return bool(self.state_layers)
 
     @classmethod
     def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
-                   target_layers=None, intermediate_size=None) -> "BlockConfig":
+                   target_layers=None, intermediate_size=None, state_layers=(), reader_rank=8, reader_out_rank=64,
+                   reader_layer=1) -> "BlockConfig":
+        """`state_layers`: () for DSpark / DFlash; target layer indices of Gated DeltaNet layers, or
+        "all" (every one), for ReaDy (a hybrid target only)."""
         L = target_cfg.num_layers
         layers = tuple(target_layers) if target_layers is not None else tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
+        state_layers = state_layers or ()
+        state_shape = None
+        if state_layers:
+            linear = tuple(getattr(target_cfg, "linear_layers", ()))
+            if not linear:
+                raise ValueError("a state reader (ReaDy) reads a hybrid target's Gated DeltaNet states; this target "
+                                 "has no linear-attention layers")
+            state_layers = linear if state_layers == "all" else tuple(int(x) for x in state_layers)
+            missing = [x for x in state_layers if x not in linear]
+            if missing:
+                raise ValueError(f"state_layers {missing} are not Gated DeltaNet layers of the target (those are {linear})")
+            state_shape = (target_cfg.linear_num_value_heads, target_cfg.linear_key_head_dim,
+                           target_cfg.linear_value_head_dim)
         return cls(hidden_size=target_cfg.hidden_size, num_heads=target_cfg.num_heads,
                    num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
                    intermediate_size=intermediate_size or target_cfg.intermediate_size, num_layers=num_layers,
                    block_size=block_size, target_layers=layers, vocab_size=target_cfg.vocab_size,
                    markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
-                   rms_norm_eps=target_cfg.rms_norm_eps)
+                   rms_norm_eps=target_cfg.rms_norm_eps, state_layers=tuple(state_layers), state_shape=state_shape,
+                   reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer)
 
 
 class BlockLayer(nnx.Module):
@@ -118,6 +170,25 @@ class BlockLayer(nnx.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(E, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+
+class StateReader(nnx.Module):
+    """ReaDy's reader (design §5c), per read layer l: a low-rank query map B_l [E, r], A_l
+    [r, H*dk], a learned query e_l [W, H, dk] per block position, the RMSNorm weight over d_v of the
+    read-outs, and the output map U = U_in [L*H*dv, r_out] . U_out [r_out, E] (U_out zero: a fresh
+    reader adds nothing, so a DSpark checkpoint can be its starting point)."""
+
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype):
+        E, r, ro, W = cfg.hidden_size, cfg.reader_rank, cfg.reader_out_rank, cfg.block_size
+        H, K, V = cfg.state_shape
+        L = len(cfg.state_layers)
+        self.norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.query_down = nnx.Param(jax.random.normal(rngs.params(), (L, E, r), dtype) / math.sqrt(E))
+        self.query_up = nnx.Param(jax.random.normal(rngs.params(), (L, r, H * K), dtype) / math.sqrt(r * K))
+        self.query_pos = nnx.Param(jax.random.normal(rngs.params(), (L, W, H, K), dtype) / math.sqrt(K))
+        self.out_norm = nnx.Param(jnp.ones((L, V), dtype))
+        self.out_in = nnx.Param(jax.random.normal(rngs.params(), (L * H * V, ro), dtype) / math.sqrt(L * H * V))
+        self.out = nnx.Param(jnp.zeros((ro, E), dtype))
 
 
 class BlockHead(nnx.Module):
@@ -141,6 +212,7 @@ class BlockHead(nnx.Module):
             self.confidence_b = nnx.Param(jnp.zeros((), dtype))
         else:
             self.confidence_w = self.confidence_b = None
+        self.reader = StateReader(cfg, rngs, dtype) if cfg.reads_state else None
 
 
 # ----------------------------------------------------------------------------- layer functions
@@ -177,15 +249,39 @@ def block_input(head: BlockHead, target, anchors_BxA):
     return x.reshape(B, A * W, -1)
 
 
-def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend):
+def read_states(head: BlockHead, h_BxAxWxE, states_LxBxAxHxKxV):
+    """ReaDy's residual update U(o) [B, A, W, E] for A blocks of W positions, each block reading
+    its own committed states S [L, B, A, H, dk, dv] (float32): per read layer l, head h and
+    position p, q = A_l(B_l^T norm(h_p)) + e_{l,p,h}, o = S_{l,h}^T q, RMSNorm over d_v,
+    concatenated over heads and layers, projected by U. A zero state reads zero: U(0) = 0."""
+    rd, cfg = head.reader, head.config
+    B, A, W, E = h_BxAxWxE.shape
+    L = len(cfg.state_layers)
+    H, K, V = cfg.state_shape
+    n = rms_norm(rd.norm, h_BxAxWxE).astype(jnp.float32)
+    q = jnp.einsum("bawe,ler->lbawr", n, rd.query_down[...].astype(jnp.float32))
+    q = jnp.einsum("lbawr,lrm->lbawm", q, rd.query_up[...].astype(jnp.float32)).reshape(L, B, A, W, H, K)
+    q = q + rd.query_pos[...].astype(jnp.float32)[:, None, None]
+    o = jnp.einsum("lbahkv,lbawhk->lbawhv", states_LxBxAxHxKxV.astype(jnp.float32), q)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    o = o * rd.out_norm[...].astype(jnp.float32)[:, None, None, None, None]
+    o = o.transpose(1, 2, 3, 0, 4, 5).reshape(B, A, W, L * H * V).astype(h_BxAxWxE.dtype)
+    return (o @ rd.out_in[...]) @ rd.out[...]
+
+
+def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend, inject=None):
     """The N layers over Q block queries. `attend(layer_idx, q, k_block, v_block) -> o [B, Q, H, D]`
     places the block's keys beside the context's and attends (drafting: through the cache;
-    training: over all anchors at once). Returns the normalised final hidden state [B, Q, E]."""
+    training: over all anchors at once). `inject(x) -> x` (ReaDy's state read) runs on the input of
+    layer `reader_layer` (num_layers: before the final norm). Returns the normalised final hidden
+    state [B, Q, E]."""
     cfg = head.config
     B, Q, _ = x_BxQxE.shape
     cos, sin = _cos_sin(cfg, positions_BxQ)
     x = x_BxQxE
     for i, layer in enumerate(head.layers):
+        if inject is not None and i == cfg.reader_layer:
+            x = inject(x)
         h = rms_norm(layer.input_layernorm, x)
         q = rms_norm(layer.q_norm, linear(layer.q_proj, h).reshape(B, Q, cfg.num_heads, cfg.head_dim))
         q = attention_lib.apply_rope(q, cos, sin)
@@ -194,7 +290,22 @@ def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend):
         x = x + linear(layer.o_proj, o.reshape(B, Q, -1))
         h = rms_norm(layer.post_attention_layernorm, x)
         x = x + linear(layer.mlp.down_proj, jax.nn.silu(linear(layer.mlp.gate_proj, h)) * linear(layer.mlp.up_proj, h))
+    if inject is not None and cfg.reader_layer == len(head.layers):
+        x = inject(x)
     return rms_norm(head.norm, x)
+
+
+def state_injector(head: BlockHead, states_LxBxAxHxKxV, A: int):
+    """`backbone`'s `inject` for A blocks per row reading `states` (None: no reader)."""
+    if head.reader is None:
+        return None
+    W = head.config.block_size
+
+    def inject(x_BxQxE):
+        B, _, E = x_BxQxE.shape
+        return x_BxQxE + read_states(head, x_BxQxE.reshape(B, A, W, E), states_LxBxAxHxKxV).reshape(B, A * W, E)
+
+    return inject
 
 
 def markov_embed(head: BlockHead, prev_xB):
@@ -215,8 +326,9 @@ def confidence_logit(head: BlockHead, h_xE, m_xR):
     return z.astype(jnp.float32)
 
 
-def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA):
+def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA, states_LxBxAxHxKxV=None):
     """Training forward over many anchors per sequence (every block in one pass).
+    ReaDy: `states` are the target's committed states at each anchor (after tokens < a_j).
 
     Block j starts at anchor a_j (its token tokens[a_j]), sees the context positions < a_j and its
     own W positions (non-causal). Position k predicts tokens[a_j + k + 1]; its Markov input is the
@@ -239,8 +351,10 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
         kc, vc = ctx[i]
         return attention_lib.attend(q, jnp.concatenate([kc, k], axis=1), jnp.concatenate([vc, v], axis=1), visible)
 
+    if head.reader is not None and states_LxBxAxHxKxV is None:
+        raise ValueError("a state-reading block drafter (ReaDy) trains on the target's states at the anchors")
     h = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
-                 pos_BxAxW.reshape(B, Q), attend)
+                 pos_BxAxW.reshape(B, Q), attend, state_injector(head, states_LxBxAxHxKxV, A))
     base = transformer.lm_head(target, h).reshape(B, A, W, -1)
     h = h.reshape(B, A, W, -1)
     prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, Q), axis=1).reshape(B, A, W)
@@ -316,6 +430,9 @@ def default_widths(num_nodes: int) -> tuple[int, ...]:
 class BlockState:
     cache: KVCache  # context K/V of every backbone layer; length = the target's committed length
     drafted: Int[Array, "B"]  # draft nodes proposed (after cuts; a tree's valid nodes), summed over the row's rounds
+    # ReaDy: the target's committed delta-rule states at the read layers, after the last committed
+    # token [L_read, B, H_v, dk, dv] float32 (None without a reader)
+    target_state: Any = None
 
 
 def target_features(out):
@@ -334,9 +451,14 @@ class BlockDrafter(heads.HeadDrafter):
     def default_tree(self) -> str:
         return f"chain={self.head.config.block_size}"
 
-    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None):
+    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False):
         cfg = head.config
         self.check_target(cfg, target, "block")
+        self.state_index = check_state_target(cfg, target)  # ReaDy: the read layers' indices in the target's state
+        if zero_state and not cfg.reads_state:
+            raise ValueError("zero_state is ReaDy's ablation (the reader on a zeroed state); this block drafter "
+                             "reads no target state")
+        self.zero_state = bool(zero_state)
         self.head = head
         self.target = target  # shared: embedding and LM head
         self.confidence = check_confidence(confidence, cfg)
@@ -349,6 +471,18 @@ class BlockDrafter(heads.HeadDrafter):
             raise ValueError("costs (positive round seconds per verify width) go with confidence='schedule' only")
         self.costs = None if costs is None else tuple(float(c) for c in costs)
         self.widths = None if widths is None else tuple(int(w) for w in widths)
+
+    @property
+    def reads_target_state(self) -> bool:
+        return self.head.config.reads_state
+
+    def _read_state(self, target_cache):
+        """The read layers' committed delta-rule states [L_read, B, H, dk, dv] (None without a
+        reader; zeros for the zeroed-state ablation)."""
+        if not self.head.config.reads_state:
+            return None
+        st = target_cache.state[jnp.asarray(self.state_index)].astype(jnp.float32)
+        return jnp.zeros_like(st) if self.zero_state else st
 
     def check_tree(self, spec, rule: str) -> int:
         super().check_tree(spec, rule)
@@ -385,7 +519,8 @@ class BlockDrafter(heads.HeadDrafter):
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
         B = prompt_BxP.shape[0]
         z = jnp.zeros((B,), jnp.int32)
-        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z)
+        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z,
+                          self._read_state(target_out.cache))
 
     def draft_block(self, state: BlockState, root_B):
         """The backbone pass: base logits [B, W, V], final hidden states [B, W, E], and the cache with
@@ -402,7 +537,8 @@ class BlockDrafter(heads.HeadDrafter):
             cache = kvcache.write(cache, i, k, v)  # scratch slots length..length+W-1
             return bound(q, cache, i)
 
-        h = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend)
+        inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
+        h = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
         return transformer.lm_head(self.target, h), h, cache
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
@@ -480,10 +616,30 @@ class BlockDrafter(heads.HeadDrafter):
         return fill_to_width(kept, active_B, self.verify_widths(spec))
 
     def commit(self, state: BlockState, committed: Committed) -> BlockState:
-        return dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
+        st = dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
+        if state.target_state is not None:  # a finished row's committed state stands still, like its cache
+            st = dataclasses.replace(st, target_state=self._read_state(committed.target))
+        return st
 
     def loop_stats(self, state: BlockState) -> dict:
         return {"drafted": state.drafted}
+
+
+def check_state_target(cfg: BlockConfig, target) -> tuple[int, ...]:
+    """ReaDy: the read layers' indices among the target's Gated DeltaNet layers (its state's first
+    axis); ValueError when the target has no such layers or another state shape. () for DSpark."""
+    if not cfg.reads_state:
+        return ()
+    linear = tuple(getattr(target.config, "linear_layers", ()))
+    missing = [x for x in cfg.state_layers if x not in linear]
+    if missing:
+        raise ValueError(f"this ReaDy drafter reads the recurrent state of target layers {cfg.state_layers}, but "
+                         f"layers {missing} of the target are not Gated DeltaNet layers (those are {linear or 'none'})")
+    tc = target.config
+    shape = (tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim)
+    if tuple(cfg.state_shape) != shape:
+        raise ValueError(f"this ReaDy drafter reads states of shape {tuple(cfg.state_shape)}, the target's are {shape}")
+    return tuple(linear.index(x) for x in cfg.state_layers)
 
 
 def parse_confidence(confidence):
@@ -562,6 +718,9 @@ def save_block_head(head: BlockHead, path: str, dtype=jnp.bfloat16) -> None:
 def read_config(path: str) -> BlockConfig:
     raw = heads.read_config(path, "block")
     raw["target_layers"] = tuple(raw["target_layers"])
+    for key in ("state_layers", "state_shape"):
+        if raw.get(key) is not None:
+            raw[key] = tuple(raw[key])
     if raw.get("confidence_temperatures") is not None:
         raw["confidence_temperatures"] = tuple(raw["confidence_temperatures"])
     try:

@@ -322,11 +322,13 @@ def unit_lower_inverse(a_xCxC):
     return inv[..., 0, :c, :c]
 
 
-def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
+def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE, chunk_states: bool = False):
     """The chunked form (HF's torch_chunk_gated_delta_rule): T tokens per row on top of S0.
 
     q, k [B, T, H, dk], v [B, T, H, dv], g, beta [B, T, H], all float32; a step with g = beta = 0
-    leaves the state unchanged (padding). Returns (o [B, T, H, dv], final state [B, H, dk, dv]).
+    leaves the state unchanged (padding). Returns (o [B, T, H, dv], final state [B, H, dk, dv]),
+    and with `chunk_states` also the state after each chunk [B, ceil(T / c), H, dk, dv] (entry i:
+    after the first (i + 1) * c tokens; the last one is the final state).
     """
     B, T, H, _ = q.shape
     dv = v.shape[-1]
@@ -363,10 +365,13 @@ def delta_chunked(q, k, v, g, beta, S0_BxHxKxV, chunk_size: int = CHUNK_SIZE):
         v_new = u_i - w_i @ S
         o = q_i @ S + attn_i @ v_new
         S = S * dec_i + jnp.swapaxes(k_i, -1, -2) @ v_new
-        return S, o
+        return S, ((o, S) if chunk_states else o)
 
-    S, o = jax.lax.scan(scan, S0_BxHxKxV.astype(jnp.float32), (u, w, q_dec, k_dec, attn, chunk_decay))
+    S, out = jax.lax.scan(scan, S0_BxHxKxV.astype(jnp.float32), (u, w, q_dec, k_dec, attn, chunk_decay))
+    o = out[0] if chunk_states else out
     o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * c, H, dv)[:, :T]
+    if chunk_states:
+        return o, S, jnp.moveaxis(out[1], 0, 1)
     return o, S
 
 
@@ -649,6 +654,33 @@ def extend(model: HybridModel, tokens_BxT: Tokens, n_B, cache: HybridCache, hidd
     conv = jnp.stack([e[1] for e in extras]).astype(cache.conv.dtype) if extras else cache.conv
     out_cache = HybridCache(kv=kvcache.advance(kv, n_B), state=state, conv=conv)
     return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
+
+
+def prefix_states(model: HybridModel, tokens_BxT: Tokens, every: int, hidden_layers: tuple[int, ...] = ()):
+    """A full-sequence forward from the empty state (the chunked form, chunks of `every` tokens) that
+    also returns every DeltaNet layer's state at the chunk ends: `states[j, b, i]` is linear layer j's
+    delta-rule state after the first (i + 1) * every tokens of row b, i.e. the committed state a
+    drafter sees when the token at position (i + 1) * every is the round's root (ReaDy's training,
+    design §5c). Returns (ForwardOutput without a cache, states [L_lin, B, T // every, H, dk, dv]).
+    The outputs are `forward`'s on a causal block (same math, chunked differently)."""
+    cfg = model.config
+    B, T = tokens_BxT.shape
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    cache = init_cache(model, B, T)
+    n_B = jnp.full((B,), T, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+
+    def linear_fn(la, j, mixed, z, b, a, state, conv):
+        conv_out, _ = conv_chunked(mixed, conv, la.conv1d.weight[...], n_B)
+        q, k, v, g, beta = _deltanet_qkvgb(la, cfg, conv_out, b, a)
+        o, _, chunk_S = delta_chunked(q, k, v, g, beta, state, every, chunk_states=True)
+        return _deltanet_out(la, o, z, mixed.dtype), chunk_S[:, :T // every]
+
+    h, _, extras, hidden = _run(model, tokens_BxT, positions, cache, causal_mask(B, T), hidden_layers, linear_fn)
+    states = (jnp.stack(extras) if extras
+              else jnp.zeros((0, B, T // every) + cache.state.shape[2:], jnp.float32))
+    return ForwardOutput(logits=lm_head(model, h), cache=None, hidden=hidden, last_hidden=h), states
 
 
 def reset(cache: HybridCache) -> HybridCache:

@@ -1,0 +1,71 @@
+"""Validation (self-fed acceptance by position, as `train.block` reports it) of trained block
+drafters on one set of anchors: each drafter on the same validation blocks, so DSpark (trained on
+anchors anywhere) and ReaDy (trained on the state grid) are compared on equal terms.
+
+    python tools/eval_block_anchors.py --target models/code-target-hybrid \
+        --drafters models/code-target-hybrid-dspark,models/code-target-hybrid-ready --every 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax.checkpoint import load_model, load_tokenizer  # noqa: E402
+from specjax.drafters.block import load_block_head  # noqa: E402
+from train import block, data  # noqa: E402
+from train.lm import load_streams_for  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafters", required=True, help="comma-separated block-drafter directories")
+    ap.add_argument("--every", type=int, default=8, help="anchors on this grid (ReaDy's state grid)")
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--zero-state", action="store_true", help="also each state reader on zeroed states")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    target = load_model(args.target)
+    tok = load_tokenizer(args.target)
+    streams = load_streams_for(tok, "train/manifest.json", None, None, REPO / "runs" / "eval-token-cache")
+    val = data.eval_windows(streams.validation, args.seq_len - 1, args.eval_tokens)
+    rows = []
+    for d in args.drafters.split(","):
+        head = load_block_head(d)
+        W = head.config.block_size
+        variants = [False] + ([True] if args.zero_state and head.config.reads_state else [])
+        for zero in variants:
+            step = jax.jit(lambda toks, zero=zero: block.eval_blocks(
+                head, target, toks, block.grid_anchors(None, toks.shape[0], toks.shape[1], args.anchors, W, args.every,
+                                                       evenly=True), args.every, zero)[:2])
+            agree, accepted = [], []
+            n = len(val) // args.batch * args.batch
+            for i in range(0, n, args.batch):
+                ag, acc = step(jnp.asarray(val[i:i + args.batch]))
+                agree.append(np.asarray(ag).reshape(-1, W))
+                accepted.append(np.asarray(acc).reshape(-1, W))
+            agree, accepted = np.concatenate(agree), np.concatenate(accepted)
+            row = {"drafter": d + (" (zeroed state)" if zero else ""), "blocks": int(len(agree)),
+                   "agree": agree.mean(0).round(4).tolist(), "accept": accepted.mean(0).round(4).tolist(),
+                   "tau_estimate": round(1.0 + float(accepted.sum(1).mean()), 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": "python tools/eval_block_anchors.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
