@@ -6,7 +6,8 @@
 - a fresh reader adds nothing (U_out = 0: the DSpark drafter of the same seed, to the bit), and a
   zeroed state reads nothing;
 - greedy speculative output equals autoregressive output on a tiny hybrid target, batch 1 and 4
-  with ragged prompts, chain (confidence off and cut) and a tree from the one pass; one trace;
+  with ragged prompts, chain and a tree from the one pass; one trace; and through the engine's
+  rounds the drafter holds the target's committed state (that of a prefill of the committed tokens);
 - the sampled-candidates rule keeps the target's distribution (chi-square), and a planted bug (q
   reported from the drafter without its state read) is caught;
 - refusals before tracing, and the checkpoint round trip.
@@ -55,8 +56,16 @@ def _loud(head, seed=0):
 
 
 def _states_at(target, toks, anchors):
-    _, st = hybrid.prefix_states(target, toks, EVERY)
-    return jnp.take_along_axis(st, (anchors // EVERY - 1)[None, :, :, None, None, None], axis=2)
+    _, st = jax.jit(hybrid.prefix_states, static_argnums=2)(target, toks, EVERY)  # all linear layers: what `cfg` reads
+    return jnp.take_along_axis(st, (anchors // EVERY)[None, :, :, None, None, None], axis=2)
+
+
+def _forward(target, toks, layers):  # the target over a causal block (jitted: eager hybrid ops are slow)
+    B, T = toks.shape
+    fam = family(target)
+    return jax.jit(lambda m, t: fam.forward(m, t, jnp.broadcast_to(jnp.arange(T)[None], (B, T)),
+                                            fam.init_cache(m, B, T), jnp.tril(jnp.ones((B, T, T), bool)),
+                                            hidden_layers=layers))(target, toks)
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +75,15 @@ def target():
 
 def test_prefix_states_are_the_committed_states(target):
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 40)), jnp.int32)
-    out, st = hybrid.prefix_states(target, toks, EVERY, hidden_layers=(0, 2))
-    assert st.shape == (2, 2, 40 // EVERY, 2, 8, 8)
+    out, st = jax.jit(hybrid.prefix_states, static_argnums=(2, 3))(target, toks, EVERY, (0, 2))
+    assert st.shape == (2, 2, 40 // EVERY + 1, 2, 8, 8)
+    np.testing.assert_array_equal(np.asarray(st[:, :, 0]), 0.0)  # entry 0: the empty state
     fam = family(target)
+    prefill = jax.jit(lambda m, a: fam.prefill(m, toks, jnp.stack([a, a]), fam.init_cache(m, 2, 64)).cache.state)
     for a in (4, 12, 40):
-        pre = fam.prefill(target, toks, jnp.asarray([a, a]), fam.init_cache(target, 2, 64))
-        np.testing.assert_allclose(np.asarray(st[:, :, a // EVERY - 1]), np.asarray(pre.cache.state), atol=1e-6)
-    ref = fam.forward(target, toks, jnp.broadcast_to(jnp.arange(40)[None], (2, 40)), fam.init_cache(target, 2, 40),
-                      jnp.tril(jnp.ones((2, 40, 40), bool)), hidden_layers=(0, 2))
+        np.testing.assert_allclose(np.asarray(st[:, :, a // EVERY]), np.asarray(prefill(target, jnp.int32(a))),
+                                   atol=1e-6)
+    ref = _forward(target, toks, (0, 2))
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=1e-4)
     for a, b in zip(out.hidden, ref.hidden):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
@@ -86,13 +96,12 @@ def test_drafting_pass_equals_training_pass(target):
     assert d.reads_target_state and cfg.state_layers == (0, 2) and d.state_index == (0, 1)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
-    out = fam.forward(target, toks, jnp.arange(40)[None], fam.init_cache(target, 1, 40),
-                      jnp.tril(jnp.ones((1, 40, 40), bool)), hidden_layers=cfg.target_layers)
-    feats = jnp.concatenate(out.hidden, -1)
+    feats = jnp.concatenate(_forward(target, toks, cfg.target_layers).hidden, -1)
     anchors = jnp.asarray([[4, 16, 28]])
     S = _states_at(target, toks, anchors)
-    _, _, h_train, base_train = train_logits(head, target, toks, feats, anchors, S)
-    _, _, h_zero, _ = train_logits(head, target, toks, feats, anchors, jnp.zeros_like(S))
+    train = jax.jit(lambda s: train_logits(head, target, toks, feats, anchors, s)[2:])
+    h_train, base_train = train(S)
+    h_zero, _ = train(jnp.zeros_like(S))
     assert float(jnp.abs(h_train - h_zero).max()) > 0.1  # the state changes the draft
 
     @jax.jit
@@ -106,12 +115,17 @@ def test_drafting_pass_equals_training_pass(target):
         np.testing.assert_allclose(np.asarray(h[0]), np.asarray(h_train[0, j]), atol=2e-4, rtol=1e-4)
     # a round: 13 committed, the target extends by 3 (its committed state now after 16 tokens), and
     # the drafter reads that state from `Committed.target` and drafts as training does at anchor 16
-    pre = fam.prefill(target, toks, jnp.asarray([13]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
-    st = d.init(toks, jnp.asarray([13]), 64, pre)
-    ext = hybrid.extend(target, toks[:, 13:17], jnp.asarray([3]), pre.cache, hidden_layers=cfg.target_layers)
-    st = d.commit(st, Committed(tokens=toks[:, 13:17], count=jnp.asarray([3]), positions=jnp.arange(13, 17)[None],
-                                features=feats[:, 13:17], target=ext.cache))
-    base, h, _ = d.draft_block(st, toks[:, 16])
+    @jax.jit
+    def after_a_round():
+        pre = fam.prefill(target, toks, jnp.asarray([13]), fam.init_cache(target, 1, 64),
+                          hidden_layers=cfg.target_layers)
+        st = d.init(toks, jnp.asarray([13]), 64, pre)
+        ext = hybrid.extend(target, toks[:, 13:17], jnp.asarray([3]), pre.cache, hidden_layers=cfg.target_layers)
+        st = d.commit(st, Committed(tokens=toks[:, 13:17], count=jnp.asarray([3]), positions=jnp.arange(13, 17)[None],
+                                    features=feats[:, 13:17], target=ext.cache))
+        return d.draft_block(st, toks[:, 16])[0]
+
+    base = after_a_round()
     np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, 1]), atol=2e-4, rtol=1e-4)
 
 
@@ -120,12 +134,12 @@ def test_a_fresh_reader_adds_nothing_and_a_zeroed_state_reads_nothing(target):
     dspark = BlockHead(dataclasses.replace(ready.config, state_layers=(), state_shape=None), nnx.Rngs(5))
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 20)), jnp.int32)
-    pre = fam.prefill(target, toks, jnp.asarray([20, 11]), fam.init_cache(target, 2, 40),
-                      hidden_layers=ready.config.target_layers)
+    pre = jax.jit(lambda m: fam.prefill(m, toks, jnp.asarray([20, 11]), fam.init_cache(m, 2, 40),
+                                        hidden_layers=ready.config.target_layers))(target)
 
     def block(head, **kw):
         d = BlockDrafter(head, target, **kw)
-        return np.asarray(d.draft_block(d.init(toks, jnp.asarray([20, 11]), 40, pre), toks[:, 5])[0])
+        return np.asarray(jax.jit(lambda p: d.draft_block(d.init(toks, jnp.asarray([20, 11]), 40, p), toks[:, 5])[0])(pre))
 
     ref = block(dspark)
     np.testing.assert_array_equal(block(ready), ref)  # the reader starts as a no-op (same seed: same rest)
@@ -176,16 +190,39 @@ def test_greedy_equals_autoregressive(target, trained, batch):
     assert got.stats["tau"].max() > 1.1
     if batch == 1:
         return
-    cut = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target, confidence=0.6)])
-    assert cut.sequences() == ref
     tree = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target)],
                             tree=f"depth={W},topk=2,nodes=7")
     assert tree.sequences() == ref
-    zero = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target, zero_state=True)])
-    assert zero.sequences() == ref
     n0 = engine.trace_count()  # a new drafter object, other prompts of the same bucket: no retrace
     specjax.generate(target, [p[::-1] for p in prompts], max_new_tokens=24, drafters=[BlockDrafter(head, target)])
     assert engine.trace_count() == n0
+
+
+def test_the_drafter_holds_the_targets_committed_state_round_by_round(target, trained):
+    """Through the engine's own rounds (tree-form verification, `hybrid.commit`), ragged rows: after
+    every round the drafter's state is the state a prefill of the row's committed tokens leaves
+    (prompt + emitted tokens but the last, the next round's root)."""
+    head, data = trained
+    d = BlockDrafter(head, target)
+    prompts = [data[0, :6].tolist(), data[1, :11].tolist()]
+    pb = engine.prepare_prompts(prompts, VOCAB, 16, slack=3 * W + 4)
+    spec, params, eos = parse_tree_spec(f"chain={W}"), SamplingParams.make(0.0), jnp.zeros((0,), jnp.int32)
+    kw = dict(max_new_tokens=16, spec=spec)
+    start = jax.jit(lambda m, dr, p, n: engine.spec_start(m, dr, p, n, params, jax.random.key(0), eos,
+                                                          capacity=pb.capacity, greedy=True, **kw))
+    step = jax.jit(lambda m, dr, c: engine.spec_round(m, dr, c, params, jax.random.key(0), eos, rule="greedy",
+                                                      mode="topk", **kw)[0])
+    fam = family(target)
+    state_of = jax.jit(lambda m, t, n: fam.prefill(m, t, n, fam.init_cache(m, 1, 64)).cache.state)
+    carry = start(target, d, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths))
+    for _ in range(3):
+        carry = step(target, d, carry)
+        for b, p in enumerate(prompts):
+            committed = p + np.asarray(carry.buf[b, :int(carry.n_out[b]) - 1]).tolist()
+            assert len(committed) == int(carry.cache.length[b])
+            want = state_of(target, jnp.asarray([committed + [0] * (64 - len(committed))]), jnp.asarray([len(committed)]))
+            np.testing.assert_allclose(np.asarray(carry.dstate.target_state[:, b]), np.asarray(want[:, 0]), atol=1e-4)
+    assert int(carry.stats.accepted.sum()) > 0  # some round accepted drafts: the commit path moved the state
 
 
 # ----------------------------------------------------------------------------- sampling is lossless
@@ -210,15 +247,16 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_state_read_is_caught():
     d, d0 = BlockDrafter(head, target), BlockDrafter(head, target, zero_state=True)
     prompt, root = [1, 5, 2, 6, 3], 3
     fam = family(target)
-    pre = fam.prefill(target, jnp.asarray([prompt]), jnp.asarray([5]), fam.init_cache(target, 1, 16),
-                      hidden_layers=head.config.target_layers)
+    pre = jax.jit(lambda m: fam.prefill(m, jnp.asarray([prompt]), jnp.asarray([5]), fam.init_cache(m, 1, 16),
+                                        hidden_layers=head.config.target_layers))(target)
     def rows(st):  # the one-row state for ROWS rows (batch: axis 1 of the cache's K/V and of the states)
         ax1 = lambda x: jnp.broadcast_to(x, x.shape[:1] + (ROWS,) + x.shape[2:])  # noqa: E731
         ax0 = lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:])  # noqa: E731
         cache = dataclasses.replace(st.cache, k=ax1(st.cache.k), v=ax1(st.cache.v), length=ax0(st.cache.length))
         return dataclasses.replace(st, cache=cache, drafted=ax0(st.drafted), target_state=ax1(st.target_state))
 
-    state = rows(d.init(jnp.asarray([prompt]), jnp.asarray([5]), 16, pre))
+    init = jax.jit(lambda dr, p: rows(dr.init(jnp.asarray([prompt]), jnp.asarray([5]), 16, p)), static_argnums=0)
+    state = init(d, pre)
     spec, params = parse_tree_spec("chain=2"), SamplingParams.make(1.0)
     roots = jnp.full((ROWS,), root, jnp.int32)
     propose = jax.jit(lambda dr, s, r, k: dr.propose(s, r, DraftContext(spec, "sample", params, k)),
@@ -252,7 +290,7 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_state_read_is_caught():
     for stat, df, crit in good:
         assert stat <= crit, f"chi2 {stat:.1f} > {crit:.1f} (df {df})"
     assert len(good) >= 3 and 0.1 < (n >= 1).mean() < 0.95 and (n >= 2).mean() > 0.02
-    wrong = propose(d0, rows(d0.init(jnp.asarray([prompt]), jnp.asarray([5]), 16, pre)), roots, jax.random.key(1)).probs
+    wrong = propose(d0, init(d0, pre), roots, jax.random.key(1)).probs
     assert float(jnp.abs(wrong - prop.probs).max()) > 0.05
     bad, _ = stats(wrong)
     assert any(s > 10 * c for s, _, c in bad), "the q without the state read was not caught"

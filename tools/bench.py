@@ -6,10 +6,12 @@ tokens/s, speedup over our autoregressive loop measured in the same run, tau (me
 length, bonus included) and per-depth acceptance, medians over repeats after untimed warm-up
 calls (one per prompt-length bucket, so every shape is compiled before timing).
 
-Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation) draft a chain of their block
-size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
+Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation; `--ready`: ReaDy, DSpark
+reading a hybrid target's recurrent states; `--block NAME=DIR`: any other, e.g. an ablation) draft a
+chain of their block size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
 profile of this machine (`--verify-profile`, from tools/profile_widths.py), under the DSpark
-scheduler; and a dynamic tree from the same one backbone pass. One loaded head serves every
+scheduler; and a dynamic tree from the same one backbone pass; a state reader also drafts with
+its reader on zeroed states (`zero-state` rows, the ablation). One loaded head serves every
 variant. Two more columns per speculative method:
   draft ms / round   the drafter's propose + commit alone, jitted: 16 pairs in one `fori_loop`
                      carrying the drafter's state (`tools.profile_widths.draft_seconds`), on the
@@ -337,8 +339,6 @@ def zoo_setup(args):
     for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready)] + extra:
         if d and os.path.isdir(d):  # block drafters, where trained
             drafters[name] = load_drafter(d, target, target_path=args.target)
-        elif (name, d) in extra:
-            raise ValueError(f"--block {name}={d}: no such directory")
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
@@ -433,8 +433,12 @@ def main(argv=None):
         args.ready = f"{args.target.rstrip('/')}-ready"
     for x in args.block:
         name, eq, d = x.partition("=")
-        if not eq or not name or not d or " " in name:
-            ap.error(f"--block {x!r}: expected NAME=DIR (a name without spaces)")
+        if not eq or not name or not d or any(c in name for c in " ,="):
+            ap.error(f"--block {x!r}: expected NAME=DIR (a name without spaces or commas)")
+        if name in ("lm", "feature", "ngram", "dspark", "dflash", "ready"):
+            ap.error(f"--block {x!r}: {name!r} names a built-in drafter; pick another name")
+        if not os.path.isdir(d):
+            ap.error(f"--block {x!r}: no such directory")
     if not 0 < args.dspark_threshold < 1:
         ap.error(f"--dspark-threshold must be in (0, 1), got {args.dspark_threshold}")
 
@@ -444,10 +448,7 @@ def main(argv=None):
     else:
         if not os.path.isdir(args.target):
             ap.error(f"{args.target}: no target model (train the zoo: make models)")
-        try:
-            target, drafters, prompts = zoo_setup(args)
-        except ValueError as e:
-            ap.error(str(e))
+        target, drafters, prompts = zoo_setup(args)
     try:
         costs, profile_used = schedule_costs(args, target, drafters,
                                              log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax.checkpoint import load_model, load_tokenizer  # noqa: E402
+from specjax.drafters import BlockDrafter, check_feature_target  # noqa: E402
 from specjax.drafters.block import load_block_head  # noqa: E402
 from train import block, data  # noqa: E402
 from train.lm import load_streams_for  # noqa: E402
@@ -44,16 +45,18 @@ def main(argv=None):
     rows = []
     for d in args.drafters.split(","):
         head = load_block_head(d)
+        BlockDrafter(head, target)  # the head's checks against this target (width, vocabulary, state shape)
+        check_feature_target(d, args.target)  # and the weights it was trained on
         W = head.config.block_size
         variants = [False] + ([True] if args.zero_state and head.config.reads_state else [])
         for zero in variants:
-            step = jax.jit(lambda toks, zero=zero: block.eval_blocks(
-                head, target, toks, block.grid_anchors(None, toks.shape[0], toks.shape[1], args.anchors, W, args.every,
-                                                       evenly=True), args.every, zero)[:2])
+            step = jax.jit(lambda h, t, toks, zero=zero: block.eval_blocks(  # models as arguments, not constants
+                h, t, toks, block.grid_anchors(None, toks.shape[0], toks.shape[1], args.anchors, W, args.every,
+                                               evenly=True), args.every, zero)[:2])
             agree, accepted = [], []
-            n = len(val) // args.batch * args.batch
+            n = len(val) // args.batch * args.batch or len(val)
             for i in range(0, n, args.batch):
-                ag, acc = step(jnp.asarray(val[i:i + args.batch]))
+                ag, acc = step(head, target, jnp.asarray(val[i:i + args.batch]))
                 agree.append(np.asarray(ag).reshape(-1, W))
                 accepted.append(np.asarray(acc).reshape(-1, W))
             agree, accepted = np.concatenate(agree), np.concatenate(accepted)

@@ -1,4 +1,5 @@
-"""Trains a DSpark block drafter (DFlash with `markov_rank: 0`) for a trained target (design §5b).
+"""Trains a DSpark block drafter (DFlash with `markov_rank: 0`, ReaDy with `state_layers`) for a trained
+target (design §5b, §5c).
 
 The target is frozen: each batch runs it once for its hidden states at `target_layers` and its
 next-token distributions. Per sequence `anchors` block starts are drawn (deterministically from
@@ -15,6 +16,13 @@ conditioned on the data, not on the draft: an estimate — `tools/bench.py` meas
 After training, the confidence head is calibrated on the validation blocks by sequential
 temperature scaling (`specjax.drafters.block.calibrate_temperatures`); the temperatures go into
 the exported `drafter_config.json`.
+
+ReaDy (`state_layers` set; design §5c): the target pass is its chunked form with chunks of
+`state_every` tokens (`hybrid.prefix_states`), which gives the read layers' states at every chunk
+end; the anchors are drawn on that grid (multiples of `state_every`), so anchor a reads the state
+after the tokens before a, as when a is a round's root. `init_from` starts from a trained block
+drafter's parameters (a DSpark run; the reader fresh; its digest pinned in the run). The export's
+`train_info.json` also has `final_zero_state`: the shipped weights with the reader on zeroed states.
 
 Same machinery as `train.feature`: optax AdamW with warm-up + cosine, gradient clipping, an orbax
 CheckpointManager (resumable, same data order), tqdm, metrics.jsonl, bf16 export of the drafter's
@@ -85,6 +93,12 @@ class BlockTrainConfig:
     corpus_root: str | None = None  # None: this interpreter's stdlib
     max_files: int | None = None  # per split (tests)
 
+    def __post_init__(self):
+        if self.state_every < 1:
+            raise ValueError(f"state_every must be >= 1, got {self.state_every}")
+        if isinstance(self.state_layers, str) and self.state_layers != "all":
+            raise ValueError(f"state_layers must be 'all' or a list of target layers, got {self.state_layers!r}")
+
 
 def load_config(path) -> BlockTrainConfig:
     return drafter_run.load_config(BlockTrainConfig, path)
@@ -142,11 +156,10 @@ def _target_pass(target, tokens_BxT, hcfg: Bk.BlockConfig, anchors_BxA, every: i
     B, T = tokens_BxT.shape
     layers = hcfg.target_layers
     sg = jax.lax.stop_gradient
-    if hcfg.reads_state:
-        out, states = hybrid.prefix_states(target, tokens_BxT, every, hidden_layers=layers)
-        idx = Bk.check_state_target(hcfg, target)
-        states = states[jnp.asarray(idx)]  # [L_read, B, T // every, H, dk, dv]
-        at = jnp.take_along_axis(states, (anchors_BxA // every - 1)[None, :, :, None, None, None], axis=2)
+    if hcfg.reads_state:  # anchors must sit on the grid of `every` (`anchors_for`): an anchor a reads entry a // every
+        out, states = hybrid.prefix_states(target, tokens_BxT, every, hidden_layers=layers,
+                                           read=Bk.check_state_target(hcfg, target))  # [L_read, B, T // every + 1, H, dk, dv]
+        at = jnp.take_along_axis(states, (anchors_BxA // every)[None, :, :, None, None, None], axis=2)
         return sg(Bk.target_features(out)), sg(out.logits), sg(at)
     fam = family(target)  # a dense or a hybrid target: the same features, its own cache
     out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
@@ -154,11 +167,14 @@ def _target_pass(target, tokens_BxT, hcfg: Bk.BlockConfig, anchors_BxA, every: i
     return sg(Bk.target_features(out)), sg(out.logits), None
 
 
-def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig):
-    """(loss, metrics): the DSpark objective on teacher-forced blocks."""
+def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zero_state: bool = False):
+    """(loss, metrics): the DSpark objective on teacher-forced blocks (`zero_state`: ReaDy's
+    ablation, the reader on zeroed states)."""
     hc = head.config
     W = hc.block_size
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
+    if zero_state:
+        states = jnp.zeros_like(states)
     logits, conf, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)  # [B, A, W, V]
     B, A = anchors_BxA.shape
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
@@ -179,7 +195,7 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig):
     return loss, {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
 
 
-def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int = 8, zero_state: bool = False):
+def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: bool = False):
     """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None).
     `zero_state`: ReaDy's ablation, the reader on zeroed states."""
     hc = head.config
@@ -206,8 +222,8 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     tgt_def, tgt_params = nnx.split(target)
     schedule, tx = drafter_run.optimizer(cfg)
 
-    def loss_of(params, tokens, anchors):
-        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg)
+    def loss_of(params, tokens, anchors, zero_state=False):
+        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, tokens):
@@ -222,7 +238,7 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     def eval_step(params, tokens, zero_state=False):
         B, T = tokens.shape
         anchors = anchors_for(cfg, hcfg, None, B, T, evenly=True)
-        loss, m = loss_of(params, tokens, anchors)
+        loss, m = loss_of(params, tokens, anchors, zero_state)
         agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors,
                                             cfg.state_every, zero_state)
         return loss, m, agree, accepted, conf
@@ -235,6 +251,21 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return target, hcfg, head_def, train_step, eval_step, init
+
+
+def check_init_from(path: Path, target_sha256: str) -> str:
+    """The digest of `init_from`'s weights; ValueError unless it is a block drafter trained on this target."""
+    from specjax.checkpoint import weights_sha256
+    from specjax.drafters import heads
+    try:
+        heads.read_config(str(path), "block")
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"init_from: {e}") from None
+    info = path / "train_info.json"
+    trained_on = json.loads(info.read_text()).get("run", {}).get("target_sha256") if info.exists() else None
+    if trained_on is not None and trained_on != target_sha256:
+        raise ValueError(f"init_from {path} was trained on other target weights ({trained_on[:12]}…)")
+    return weights_sha256(path)
 
 
 def start_from(head: Bk.BlockHead, path) -> None:
@@ -285,6 +316,14 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
     identity = drafter_run.identity(cfg, target_dir)
+    if cfg.state_layers:
+        hcfg_check = head_config(cfg, load_model(str(target_dir)))  # bad reader keys: refused before the run dir
+        n = (cfg.seq_len - hcfg_check.block_size - 1) // cfg.state_every
+        if cfg.anchors > n:
+            raise ValueError(f"{cfg.anchors} anchors do not fit windows of {cfg.seq_len} tokens on a state grid of "
+                             f"{cfg.state_every} with blocks of {hcfg_check.block_size}: at most {n}")
+    if cfg.init_from:  # the starting weights are part of the run (a retrained export changes its digest)
+        identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
     target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))

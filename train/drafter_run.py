@@ -52,9 +52,13 @@ def optimizer(cfg):
 
 
 def identity(cfg, target_dir: Path) -> dict:
-    """What a run directory pins: the config but its resumable fields, and the target's digest."""
+    """What a run directory pins: the config but its resumable fields, and the target's digest.
+    `_defaults` (not compared itself) lets a run directory from before a field existed resume when
+    the field is at its default."""
     d = {k: v for k, v in config_record(cfg).items() if k not in RESUMABLE}
     d["target_sha256"] = weights_sha256(target_dir)
+    d["_defaults"] = {f.name: f.default for f in dataclasses.fields(cfg)
+                      if f.default is not dataclasses.MISSING and f.name not in RESUMABLE}
     return d
 
 
@@ -67,8 +71,10 @@ def open_run(run_dir: Path, export_dir: Path | None, ident: dict, overwrite: boo
         shutil.rmtree(run_dir)
     elif stored.exists():
         old = json.loads(stored.read_text())
-        diffs = [f"{k}: run dir has {old.get(k)!r}, now {ident.get(k)!r}"
-                 for k in sorted(set(old) | set(ident)) if old.get(k) != ident.get(k)]
+        defaults = ident.get("_defaults", {})
+        diffs = [f"{k}: run dir has {old.get(k, defaults.get(k))!r}, now {ident.get(k)!r}"
+                 for k in sorted(set(old) | set(ident)) - {"_defaults"}
+                 if old.get(k, defaults.get(k)) != ident.get(k)]
         if diffs:
             raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs)
                              + "\nUse another --run-dir, or --overwrite.")

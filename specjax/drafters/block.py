@@ -138,6 +138,8 @@ class BlockConfig:
         layers = tuple(target_layers) if target_layers is not None else tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
         state_layers = state_layers or ()
         state_shape = None
+        if isinstance(state_layers, str) and state_layers != "all":
+            raise ValueError(f"state_layers must be 'all' or a list of target layers, got {state_layers!r}")
         if state_layers:
             linear = tuple(getattr(target_cfg, "linear_layers", ()))
             if not linear:
@@ -440,9 +442,10 @@ def target_features(out):
 
 
 class BlockDrafter(heads.HeadDrafter):
-    """DSpark / DFlash behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
+    """DSpark / DFlash / ReaDy behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
     "schedule" (then `costs`: seconds per round at each of `widths`, profiled for this machine and
-    batch size). `widths`: the compiled verify widths when cutting (default `default_widths`)."""
+    batch size). `widths`: the compiled verify widths when cutting (default `default_widths`).
+    `zero_state`: ReaDy's ablation, the reader on zeroed states (a ReaDy head only)."""
     name = "block"
     gives_q = True
     can_score = True  # its q at a node depends on the block and the node's own token only: exact, one pass
@@ -518,6 +521,8 @@ class BlockDrafter(heads.HeadDrafter):
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
         B = prompt_BxP.shape[0]
+        if self.head.config.reads_state and getattr(target_out, "cache", None) is None:
+            raise ValueError("a ReaDy drafter reads the target's state after the prefill: target_out.cache is None")
         z = jnp.zeros((B,), jnp.int32)
         return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z,
                           self._read_state(target_out.cache))
@@ -537,6 +542,8 @@ class BlockDrafter(heads.HeadDrafter):
             cache = kvcache.write(cache, i, k, v)  # scratch slots length..length+W-1
             return bound(q, cache, i)
 
+        if cfg.reads_state and state.target_state is None:
+            raise ValueError("this ReaDy drafter's state holds no target state: make it with this drafter's init")
         inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
         h = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
         return transformer.lm_head(self.target, h), h, cache
@@ -618,6 +625,8 @@ class BlockDrafter(heads.HeadDrafter):
     def commit(self, state: BlockState, committed: Committed) -> BlockState:
         st = dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
         if state.target_state is not None:  # a finished row's committed state stands still, like its cache
+            if committed.target is None:
+                raise ValueError("a ReaDy drafter commits the target's committed state: Committed.target is None")
             st = dataclasses.replace(st, target_state=self._read_state(committed.target))
         return st
 

@@ -656,13 +656,15 @@ def extend(model: HybridModel, tokens_BxT: Tokens, n_B, cache: HybridCache, hidd
     return ForwardOutput(logits=lm_head(model, h), cache=out_cache, hidden=hidden, last_hidden=h)
 
 
-def prefix_states(model: HybridModel, tokens_BxT: Tokens, every: int, hidden_layers: tuple[int, ...] = ()):
+def prefix_states(model: HybridModel, tokens_BxT: Tokens, every: int, hidden_layers: tuple[int, ...] = (),
+                  read: tuple[int, ...] | None = None):
     """A full-sequence forward from the empty state (the chunked form, chunks of `every` tokens) that
-    also returns every DeltaNet layer's state at the chunk ends: `states[j, b, i]` is linear layer j's
-    delta-rule state after the first (i + 1) * every tokens of row b, i.e. the committed state a
-    drafter sees when the token at position (i + 1) * every is the round's root (ReaDy's training,
-    design §5c). Returns (ForwardOutput without a cache, states [L_lin, B, T // every, H, dk, dv]).
-    The outputs are `forward`'s on a causal block (same math, chunked differently)."""
+    also returns DeltaNet states at the chunk ends: `states[l, b, i]` is the delta-rule state of the
+    l-th linear layer in `read` (indices among the linear layers; None: all) after the first i * every
+    tokens of row b (i = 0: the empty state), i.e. the committed state a drafter sees when the token
+    at position i * every is the round's root (ReaDy's training, design §5c). Returns (ForwardOutput
+    without a cache, states [len(read), B, T // every + 1, H, dk, dv]). The outputs are `forward`'s
+    on a causal block (same math, chunked differently)."""
     cfg = model.config
     B, T = tokens_BxT.shape
     if every < 1:
@@ -671,15 +673,21 @@ def prefix_states(model: HybridModel, tokens_BxT: Tokens, every: int, hidden_lay
     n_B = jnp.full((B,), T, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
 
+    read = tuple(range(len(cfg.linear_layers))) if read is None else tuple(read)
+
     def linear_fn(la, j, mixed, z, b, a, state, conv):
         conv_out, _ = conv_chunked(mixed, conv, la.conv1d.weight[...], n_B)
         q, k, v, g, beta = _deltanet_qkvgb(la, cfg, conv_out, b, a)
         o, _, chunk_S = delta_chunked(q, k, v, g, beta, state, every, chunk_states=True)
-        return _deltanet_out(la, o, z, mixed.dtype), chunk_S[:, :T // every]
+        kept = None
+        if j in read:  # only the layers asked for are kept ([B, H, dk, dv] per chunk end adds up)
+            kept = jnp.concatenate([state[:, None].astype(jnp.float32), chunk_S[:, :T // every]], axis=1)
+        return _deltanet_out(la, o, z, mixed.dtype), kept
 
     h, _, extras, hidden = _run(model, tokens_BxT, positions, cache, causal_mask(B, T), hidden_layers, linear_fn)
-    states = (jnp.stack(extras) if extras
-              else jnp.zeros((0, B, T // every) + cache.state.shape[2:], jnp.float32))
+    by_layer = dict(zip(range(len(extras)), extras))
+    states = (jnp.stack([by_layer[j] for j in read]) if read
+              else jnp.zeros((0, B, T // every + 1) + cache.state.shape[2:], jnp.float32))
     return ForwardOutput(logits=lm_head(model, h), cache=None, hidden=hidden, last_hidden=h), states
 
 
