@@ -434,3 +434,18 @@ def test_reschedule_changes_phase_lengths_only(zoo, tmp_path):
     from train import model_card  # the card tells the schedule's history
     history = model_card._schedule_history(info["run"]["schedule_changes"])
     assert "at step 6: 20@16 + 10@32 → 8@16 + 4@32" in history and "--reschedule" in history
+
+
+def test_a_run_from_before_a_new_defaulted_field_resumes(tmp_path):
+    """A run directory written before a config field existed resumes while the field is at its
+    default, and is refused once it is not (drafter_run's identity records the defaults)."""
+    from train import drafter_run
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"name": "x", "anchors": 4, "target_sha256": "abc"}
+    (run / "run.json").write_text(json.dumps(old))
+    ident = {**old, "reader_rank": 8, "_defaults": {"reader_rank": 8}}
+    drafter_run.open_run(run, None, ident, overwrite=False)
+    (run / "run.json").write_text(json.dumps(old))
+    with pytest.raises(lm.RunRefused, match="reader_rank: run dir has 8, now 16"):
+        drafter_run.open_run(run, None, {**ident, "reader_rank": 16}, overwrite=False)

@@ -73,7 +73,7 @@ def open_run(run_dir: Path, export_dir: Path | None, ident: dict, overwrite: boo
         old = json.loads(stored.read_text())
         defaults = ident.get("_defaults", {})
         diffs = [f"{k}: run dir has {old.get(k, defaults.get(k))!r}, now {ident.get(k)!r}"
-                 for k in sorted(set(old) | set(ident)) - {"_defaults"}
+                 for k in sorted((set(old) | set(ident)) - {"_defaults"})
                  if old.get(k, defaults.get(k)) != ident.get(k)]
         if diffs:
             raise RunRefused(f"{run_dir} belongs to a different run:\n  - " + "\n  - ".join(diffs)
