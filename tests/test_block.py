@@ -17,12 +17,11 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import specjax
-from helpers import chi_square, tiny_target
+from helpers import chi_square, tiny_target, train_block_on_own_outputs
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -45,29 +44,10 @@ HYBRID = HybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, nu
 def _train_on_own_outputs(target, steps=100, seed=0):
     """A tiny block drafter trained (DSpark loss, train.block) on the target's own greedy
     continuations: on those prompts it is right often, not always (partial, row-varying acceptance)."""
-    from train.block import BlockTrainConfig, block_loss, sample_anchors
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, VOCAB, (24, 6)).tolist()
-    res = specjax.generate(target, prompts, max_new_tokens=34)
-    data = np.array([p + s for p, s in zip(prompts, res.sequences())], np.int32)
+    from train.block import BlockTrainConfig, sample_anchors
     cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=16)
-    head = BlockHead(cfg, nnx.Rngs(seed))
-    tc = BlockTrainConfig(name="t", target="t", anchors=8)
-    gdef, params = nnx.split(head, nnx.Param)
-    tx = optax.adam(3e-3)
-
-    @jax.jit
-    def step(params, opt, key):
-        anchors = sample_anchors(key, data.shape[0], data.shape[1], 8, W)
-        loss_fn = lambda p: block_loss(nnx.merge(gdef, p), target, jnp.asarray(data), anchors, tc)[0]  # noqa: E731
-        g = jax.grad(loss_fn)(params)
-        u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt
-
-    opt = tx.init(params)
-    for i in range(steps):
-        params, opt = step(params, opt, jax.random.key(i))
-    return nnx.merge(gdef, params), data
+    return train_block_on_own_outputs(target, BlockHead(cfg, nnx.Rngs(seed)), BlockTrainConfig(name="t", target="t", anchors=8),
+                                      lambda key, B, T: sample_anchors(key, B, T, 8, W), steps, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import specjax
-from helpers import chi_square, tiny_target
+from helpers import chi_square, tiny_target, train_block_on_own_outputs
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import Committed, DraftContext
@@ -151,27 +150,11 @@ def test_a_fresh_reader_adds_nothing_and_a_zeroed_state_reads_nothing(target):
 def _trained(target, steps=60, seed=1):
     """A tiny ReaDy drafter trained (train.block's loss, states at grid anchors) on the target's own
     greedy continuations: partial, row-varying acceptance."""
-    from train.block import BlockTrainConfig, block_loss, grid_anchors
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, VOCAB, (24, 6)).tolist()
-    res = specjax.generate(target, prompts, max_new_tokens=34)
-    data = np.array([p + s for p, s in zip(prompts, res.sequences())], np.int32)
+    from train.block import BlockTrainConfig, grid_anchors
     head = BlockHead(_ready_cfg(target.config, num_layers=1, reader_out_rank=8), nnx.Rngs(seed))
     tc = BlockTrainConfig(name="t", target="t", anchors=6, state_every=EVERY, state_layers="all")
-    gdef, params = nnx.split(head, nnx.Param)
-    tx = optax.adam(3e-3)
-
-    @jax.jit
-    def step(params, opt, key):
-        anchors = grid_anchors(key, data.shape[0], data.shape[1], 6, W, EVERY)
-        g = jax.grad(lambda p: block_loss(nnx.merge(gdef, p), target, jnp.asarray(data), anchors, tc)[0])(params)
-        u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt
-
-    opt = tx.init(params)
-    for i in range(steps):
-        params, opt = step(params, opt, jax.random.key(i))
-    return nnx.merge(gdef, params), data
+    return train_block_on_own_outputs(target, head, tc, lambda key, B, T: grid_anchors(key, B, T, 6, W, EVERY),
+                                      steps, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")
