@@ -29,11 +29,13 @@ models: install
 	$(BIN)/python -m train.lm --config configs/code-target-hybrid.json --run-dir runs/code-target-hybrid --export models/code-target-hybrid
 	$(BIN)/python -m train.feature --config configs/code-target-hybrid-feature.json --run-dir runs/code-target-hybrid-feature --export models/code-target-hybrid-feature
 	$(BIN)/python -m train.block --config configs/code-target-dspark.json --run-dir runs/code-target-dspark --export models/code-target-dspark
+	$(BIN)/python -m train.block --config configs/code-target-treeflash.json --run-dir runs/code-target-treeflash --export models/code-target-treeflash
+	$(BIN)/python -m train.path_calibration --target models/code-target --drafter models/code-target-treeflash
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-dspark.json --run-dir runs/code-target-hybrid-dspark --export models/code-target-hybrid-dspark
 	$(BIN)/python -m train.block --config configs/code-target-dflash.json --run-dir runs/code-target-dflash --export models/code-target-dflash
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-dflash.json --run-dir runs/code-target-hybrid-dflash --export models/code-target-hybrid-dflash
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-ready.json --run-dir runs/code-target-hybrid-ready --export models/code-target-hybrid-ready
-	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature code-target-dspark code-target-hybrid-dspark code-target-dflash code-target-hybrid-dflash code-target-hybrid-ready; do \
+	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature code-target-dspark code-target-hybrid-dspark code-target-dflash code-target-hybrid-dflash code-target-hybrid-ready code-target-treeflash; do \
 		$(BIN)/python -m train.model_card --model models/$$m || exit 1; done
 	$(BIN)/python -m train.zoo --write
 

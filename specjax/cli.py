@@ -82,8 +82,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "max(1, 1 + lambda ln(n_far / W)); keys: sinks, window, far, lambda, beta (log-ratio|log-log), "
                         "positions (on|off), chunk, impl. 'default' = sinks=4,window=256,lambda=0.5 (specjax.fold)")
     p.add_argument("--tree", default=None, metavar="SPEC",
-                   help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', or a JSON path list "
-                        "'[[0],[1],[0,0]]' (default chain=4)")
+                   help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', a JSON path list "
+                        "'[[0],[1],[0,0]]' (default chain=4), or a block drafter's best-first tree "
+                        "'ddtree,nodes=N' / 'treeflash,nodes=N[,m=M,k=K,rows=markov|head,select=taps]'")
     p.add_argument("--verify", default=None, choices=["greedy", "deterministic", "sampled", "sampled_noreplace"],
                    help="verification rule (default: greedy at temperature 0, deterministic otherwise)")
     p.add_argument("--confidence", default="off", metavar="THRESHOLD|schedule|off",
@@ -350,8 +351,23 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
     """(confidence, costs) for `load_drafter` from --confidence / --verify-profile. `costs` (round
     seconds per verify width) only for 'schedule', from the profile's batch size nearest the run's."""
     conf = args.confidence.strip().lower() if args.confidence else "off"
+    taps = None
+    if args.tree is not None and "select=taps" in args.tree:
+        from specjax import tree as tree_lib
+        try:
+            taps = tree_lib.parse_tree_spec(args.tree)
+        except ValueError as e:
+            raise UsageError(f"--tree {args.tree}: {e}") from None
+    if conf == "off" and taps is not None and args.verify_profile is not None:  # TAPS chooses its budget per round
+        from specjax import profile as profile_lib
+        from specjax.taps import tree_widths
+        try:
+            return "off", profile_lib.costs_at_widths(profile_lib.load_profile(args.verify_profile), n_prompts,
+                                                      tree_widths(taps.num_nodes))
+        except ValueError as e:
+            raise UsageError(f"--verify-profile {args.verify_profile}: {e}") from None
     if conf != "schedule" and args.verify_profile is not None:
-        raise UsageError("--verify-profile is read only with --confidence schedule")
+        raise UsageError("--verify-profile is read only with --confidence schedule or a --tree with select=taps")
     if conf == "off":
         return "off", None
     if not args.drafter:

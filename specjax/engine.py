@@ -259,7 +259,7 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
                          "a drafter must share the target's tokenizer")
-    spec = tree_lib.parse_tree_spec(drafter.default_tree if tree is None else tree)
+    spec = drafter.resolve_tree(tree_lib.parse_tree_spec(drafter.default_tree if tree is None else tree))
     rule = resolve_rule(verify, temperature)
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
     # The drafter refuses what it cannot draft (e.g. sampled rules without q) and says what scratch it needs.

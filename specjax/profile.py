@@ -67,6 +67,22 @@ def costs_from_profile(profile: dict, batch: int, widths) -> tuple[float, ...]:
     return costs
 
 
+def costs_at_widths(profile: dict, batch: int, widths) -> tuple[float, ...]:
+    """Round seconds at each of `widths` from a profile that covers them (and maybe more: a TAPS
+    tree of N nodes reads the first widths of a profile made at a larger N). ValueError else."""
+    b = profile_batch(profile, batch)
+    row = profile["rows"].get(str(b), profile["rows"].get(b))
+    try:
+        have = {int(w): float(c) for w, c in zip(row["widths"], row["round_s"])}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"the verify-width profile's batch-{b} row lacks widths / round_s (make one with {TOOL})") from None
+    missing = [int(w) for w in widths if int(w) not in have]
+    if missing:
+        raise ValueError(f"the verify-width profile (tree {profile.get('tree', '?')}) has no widths {missing}: rerun "
+                         f"{TOOL} with --tree at this node budget")
+    return tuple(have[int(w)] for w in widths)
+
+
 def default_profile_name(target_path: str) -> str:
     """`verify_profile_<target dir name>.json`."""
     return f"verify_profile_{os.path.basename(os.path.normpath(target_path))}.json"

@@ -154,7 +154,81 @@ class DynamicTree:
         return 1 + self.topk + (self.depth - 1) * self.topk * self.topk
 
 
-TreeSpec = StaticTree | DynamicTree
+ROW_KINDS = ("marginal", "markov", "head")  # "auto" resolves to one of the conditional kinds per drafter
+SELECTS = ("logq", "taps")
+
+
+@dataclasses.dataclass(frozen=True)
+class BestFirstTree:
+    """A best-first tree over per-depth transition tables (design §5e), for drafters that give every
+    depth's rows in one pass (block drafters): a heap over path scores pops the best frontier node,
+    then pushes its next sibling and its first child, until `nodes` nodes (root included).
+
+    `rows`: "marginal" (DDTree: one row per depth, every node expandable), or conditional rows
+    (TreeFlash: one row per candidate previous token, the top `m` of the depth's marginal row;
+    "markov": the Markov head's exact rows, "head": the TreeFlash head's, "auto": the head where the
+    drafter has one, else the Markov head). `k`: children per row. `select`: "logq" ranks paths by
+    cumulative draft log-prob; "taps" by the calibrated path acceptance estimate prod g(q, depth)
+    (the drafter's stored calibration), and with a cost table the verify budget is chosen per round.
+    Nodes come out in pop order: score-descending and topological, so any prefix of the nodes is a
+    prefix-closed subtree."""
+    nodes: int
+    rows: str = "marginal"
+    m: int = 1
+    k: int = 8
+    depth: int | None = None  # None: the drafter's (a block drafter: min(its block, nodes - 1))
+    select: str = "logq"
+
+    def __post_init__(self):
+        if self.nodes < 2 or self.k < 1 or self.m < 1 or (self.depth is not None and self.depth < 1):
+            raise ValueError(f"a best-first tree needs nodes >= 2, k >= 1, m >= 1, depth >= 1; got {self}")
+        if self.rows not in ROW_KINDS + ("auto",):
+            raise ValueError(f"best-first rows must be one of {ROW_KINDS + ('auto',)}, got {self.rows!r}")
+        if self.rows == "marginal" and self.m != 1:
+            raise ValueError("marginal rows (ddtree) have one row per depth: m must be 1")
+        if self.select not in SELECTS:
+            raise ValueError(f"best-first select must be one of {SELECTS}, got {self.select!r}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.nodes - 1 if self.depth is None else self.depth  # unresolved: the deepest N nodes reach
+
+    @property
+    def conditional(self) -> bool:
+        return self.rows != "marginal"
+
+
+TreeSpec = StaticTree | DynamicTree | BestFirstTree
+
+_BEST_FIRST_KEYS = {"ddtree": {"nodes", "k", "depth", "select"},
+                    "treeflash": {"nodes", "m", "k", "depth", "rows", "select"}}
+
+
+def _parse_best_first(kind: str, items: list[str], spec: str) -> BestFirstTree:
+    kv = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        if not eq or key in kv:
+            raise ValueError(f"malformed tree spec {spec!r}: {item!r} is not key=value (or repeats a key)")
+        kv[key] = val
+    bad = set(kv) - _BEST_FIRST_KEYS[kind]
+    if bad or "nodes" not in kv:
+        raise ValueError(f"malformed tree spec {spec!r}: {kind} takes nodes=N and optionally "
+                         f"{', '.join(sorted(_BEST_FIRST_KEYS[kind] - {'nodes'}))}"
+                         + (f" (not {', '.join(sorted(bad))})" if bad else ""))
+    ints = {}
+    for key in ("nodes", "m", "k", "depth"):
+        if key in kv:
+            if not kv[key].isdigit():
+                raise ValueError(f"malformed tree spec {spec!r}: {key} must be a positive integer")
+            ints[key] = int(kv[key])
+    if kind == "ddtree":
+        return BestFirstTree(rows="marginal", select=kv.get("select", "logq"), **ints)
+    return BestFirstTree(rows=kv.get("rows", "auto"), select=kv.get("select", "logq"), **{"m": 4, "k": 4, **ints})
 
 
 def validate_paths(paths) -> None:
@@ -183,8 +257,10 @@ def chain(depth: int) -> StaticTree:
 
 
 def parse_tree_spec(spec: str | Sequence | TreeSpec) -> TreeSpec:
-    """'chain=5', 'depth=6,topk=8,nodes=32' (dynamic) or a JSON path list '[[0],[1],[0,0]]'."""
-    if isinstance(spec, (StaticTree, DynamicTree)):
+    """'chain=5', 'depth=6,topk=8,nodes=32' (dynamic), a JSON path list '[[0],[1],[0,0]]', or a
+    best-first tree (block drafters): 'ddtree,nodes=16[,k=8,depth=8,select=logq|taps]' (marginal rows)
+    or 'treeflash,nodes=16[,m=4,k=4,depth=8,rows=auto|markov|head,select=logq|taps]' (conditional)."""
+    if isinstance(spec, (StaticTree, DynamicTree, BestFirstTree)):
         return spec
     if isinstance(spec, (list, tuple)):
         return StaticTree(tuple(tuple(int(r) for r in p) for p in _checked_paths(spec)))
@@ -197,6 +273,9 @@ def parse_tree_spec(spec: str | Sequence | TreeSpec) -> TreeSpec:
         except json.JSONDecodeError as e:
             raise ValueError(f"malformed tree path list {spec!r}: {e}") from None
         return parse_tree_spec(paths)
+    head, _, rest = s.partition(",")
+    if head in _BEST_FIRST_KEYS:
+        return _parse_best_first(head, rest.split(",") if rest else [], spec)
     m = re.fullmatch(r"chain=(\d+)", s)
     if m:
         if int(m.group(1)) < 1:
@@ -210,8 +289,8 @@ def parse_tree_spec(spec: str | Sequence | TreeSpec) -> TreeSpec:
     except ValueError as e:
         if str(e):
             raise
-        raise ValueError(f"malformed tree spec {spec!r}: expected 'chain=D', 'depth=D,topk=K,nodes=N' "
-                         f"or a JSON path list") from None
+        raise ValueError(f"malformed tree spec {spec!r}: expected 'chain=D', 'depth=D,topk=K,nodes=N', "
+                         f"'ddtree,nodes=N', 'treeflash,nodes=N' or a JSON path list") from None
 
 
 def _checked_paths(paths):
@@ -259,6 +338,9 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     a node are not visible). Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
+    if isinstance(spec, BestFirstTree):
+        raise ValueError("a best-first tree (ddtree / treeflash) is drafted from per-depth tables "
+                         "(`tree.best_first`), by a drafter that gives them: a block drafter")
     if isinstance(spec, StaticTree):
         return _expand_static(spec, root_B, evaluate, state, key, mode, source)
     if mode != "topk":
@@ -480,3 +562,67 @@ def select_nodes(tokens, parents, depth, score, num_nodes: int, *, valid=None, r
         score=kept_score,
         source=src)
     return tree, keep.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- best-first trees
+
+def best_first(root_B, tok_BxRxK, key_BxRxK, logq_BxRxK, child_row_BxRxK, num_nodes: int, max_depth: int,
+               source: int = 0):
+    """The best-first tree over transition tables (DDTree; TreeFlash's tables), in the program.
+
+    Row r of the tables lists K ranked children (tokens, heap keys, draft log-probs); row 0 lists
+    the root's children; `child_row[b, r, j]` is the row that lists the children of child j of row r
+    (-1: it is a leaf). Keys must be non-increasing along a row and at most 0 (log-probabilities, or
+    log acceptance estimates), so a child never outranks its parent or its elder sibling. A node's
+    heap key is the sum of its path's keys; each of the N-1 steps pops the best entry of a
+    fixed-size array (2N-1 slots: the root's first child, then a sibling and a child slot per pop),
+    makes it node i, and pushes its next sibling and its first child (within `max_depth`).
+    Ties go to the entry pushed first. Returns (TreeBuffers [B, N] in pop order: score-descending,
+    hence topological, `score` the cumulative draft log-prob, a node invalid where the heap ran
+    dry; cumulative heap keys [B, N])."""
+    B, R, K = tok_BxRxK.shape
+    N = num_nodes
+    C = 2 * N - 1
+    neg = jnp.float32(-jnp.inf)
+
+    def one(root, tok, key, lq, crow):
+        heap = dict(key=jnp.full((C,), neg).at[0].set(key[0, 0]), base=jnp.zeros((C,), jnp.float32),
+                    lqb=jnp.zeros((C,), jnp.float32), par=jnp.zeros((C,), jnp.int32), row=jnp.zeros((C,), jnp.int32),
+                    rank=jnp.zeros((C,), jnp.int32), depth=jnp.ones((C,), jnp.int32))  # base / lqb: the parent's sums
+        nodes = dict(tok=jnp.zeros((N,), jnp.int32).at[0].set(root), par=jnp.full((N,), -1, jnp.int32),
+                     depth=jnp.zeros((N,), jnp.int32), valid=jnp.zeros((N,), bool).at[0].set(True),
+                     score=jnp.zeros((N,), jnp.float32), key=jnp.zeros((N,), jnp.float32))
+
+        def body(i, carry):
+            heap, nodes = carry
+            e = jnp.argmax(heap["key"])
+            s = heap["key"][e]
+            ok = jnp.isfinite(s)
+            row, rank, d = heap["row"][e], heap["rank"][e], heap["depth"][e]
+            base, lqb = heap["base"][e], heap["lqb"][e]
+            lq_e = lqb + lq[row, rank]
+            nodes = dict(tok=nodes["tok"].at[i].set(jnp.where(ok, tok[row, rank], 0)),
+                         par=nodes["par"].at[i].set(jnp.where(ok, heap["par"][e], -1)),
+                         depth=nodes["depth"].at[i].set(jnp.where(ok, d, 0)), valid=nodes["valid"].at[i].set(ok),
+                         score=nodes["score"].at[i].set(jnp.where(ok, lq_e, neg)),
+                         key=nodes["key"].at[i].set(jnp.where(ok, s, neg)))
+            r1 = jnp.minimum(rank + 1, K - 1)
+            sib_key = jnp.where(ok & (rank + 1 < K), base + key[row, r1], neg)
+            cr = crow[row, rank]
+            crc = jnp.maximum(cr, 0)
+            kid_key = jnp.where(ok & (cr >= 0) & (d < max_depth), s + key[crc, 0], neg)
+            put = {"key": (sib_key, kid_key), "base": (base, s), "lqb": (lqb, lq_e),
+                   "par": (heap["par"][e], i), "row": (row, crc), "rank": (r1, 0), "depth": (d, d + 1)}
+            heap = {name: heap[name].at[2 * i - 1].set(jnp.asarray(a, heap[name].dtype))
+                    .at[2 * i].set(jnp.asarray(b, heap[name].dtype)) for name, (a, b) in put.items()}
+            heap["key"] = heap["key"].at[e].set(neg)
+            return heap, nodes
+
+        _, nodes = jax.lax.fori_loop(1, N, body, (heap, nodes))
+        return nodes
+
+    out = jax.vmap(one)(root_B.astype(jnp.int32), tok_BxRxK.astype(jnp.int32), key_BxRxK.astype(jnp.float32),
+                        logq_BxRxK.astype(jnp.float32), child_row_BxRxK.astype(jnp.int32))
+    tree = TreeBuffers(tokens=out["tok"], parents=out["par"], depth=out["depth"], valid=out["valid"],
+                       score=out["score"], source=jnp.full((B, N), source, jnp.int8))
+    return tree, out["key"]

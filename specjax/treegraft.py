@@ -306,6 +306,9 @@ class TreeGraft(Drafter):
     def check_tree(self, spec, rule: str) -> int:
         """Engine hook, on the host before tracing: refuses sampled rules and a bad plan; returns
         the scratch slots the drafters need past their committed caches."""
+        if isinstance(spec, tree_lib.BestFirstTree):
+            raise ValueError("TreeGraft verifies a chain, a path list or a dynamic tree; a best-first tree (ddtree / "
+                             "treeflash) is a block drafter's own (pass the block drafter alone)")
         if rule not in LOSSLESS_RULES:
             raise ValueError(f"TreeGraft verifies trees whose nodes come from two drafters: it needs the "
                              f"deterministic-candidates rule (verify='deterministic', or greedy at temperature 0), "

@@ -17,6 +17,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the CLI's persistent compilation cache stays off in tests (the tests that check it pass a folder)
 os.environ["SPECJAX_COMPILE_CACHE"] = "off"
+# The tests run tiny models, where compiling costs far more than running: XLA's CPU backend skips
+# LLVM's optimisation passes (machine-code quality only; XLA's own HLO passes still run, and every
+# test compares programs compiled alike). Set before jax is imported; subprocesses inherit it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import numpy as np
 import pytest

@@ -82,7 +82,7 @@ def test_drafting_pass_equals_training_pass(kind):
                       jnp.tril(jnp.ones((1, 40, 40), bool)), hidden_layers=cfg.target_layers)
     feats = jnp.concatenate(out.hidden, -1)
     anchors = jnp.asarray([[3, 17, 30]])
-    _, _, h_train, base_train = train_logits(head, target, toks, feats, anchors)
+    _, _, h_train, base_train, _, _ = train_logits(head, target, toks, feats, anchors)
     @jax.jit
     def drafted(a):  # the prompt is the first a tokens (right-padded: one compile for every anchor)
         pre = fam.prefill(target, toks, a[None], fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
@@ -100,7 +100,7 @@ def test_drafting_pass_equals_training_pass(kind):
     st = dataclasses.replace(st, cache=d.draft_block(st, toks[:, 14])[2])  # a proposal's scratch, overwritten
     st = d.commit(st, Committed(tokens=toks[:, 14:18], count=jnp.asarray([3]), positions=jnp.arange(14, 18)[None],
                                 features=feats[:, 14:18]))
-    base, h, _ = d.draft_block(st, toks[:, 17])
+    base, h = d.draft_block(st, toks[:, 17])[:2]
     np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, 1]), atol=2e-4, rtol=1e-4)
 
 
@@ -301,7 +301,7 @@ def test_sampled_rule_with_markov_sampling_is_lossless():
             assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
     assert 0.1 < (n >= 1).mean() < 0.95 and (n >= 2).mean() > 0.02  # both depths accept and reject
     # the planted bug: q without the Markov term
-    base, _, _ = jax.jit(d.draft_block)(state, roots)
+    base = jax.jit(d.draft_block)(state, roots).base
     wrong = jnp.concatenate([jax.nn.softmax(base[:, :2], -1), jnp.zeros((ROWS, 1, SV))], axis=1)
     assert float(jnp.abs(wrong - prop.probs).max()) > 0.05
     first_w, second_w, n_w = first_two(wrong)

@@ -98,7 +98,7 @@ def test_drafting_pass_equals_training_pass(target):
     feats = jnp.concatenate(_forward(target, toks, cfg.target_layers).hidden, -1)
     anchors = jnp.asarray([[4, 16, 28]])
     S = _states_at(target, toks, anchors)
-    train = jax.jit(lambda s: train_logits(head, target, toks, feats, anchors, s)[2:])
+    train = jax.jit(lambda s: train_logits(head, target, toks, feats, anchors, s)[2:4])
     h_train, base_train = train(S)
     h_zero, _ = train(jnp.zeros_like(S))
     assert float(jnp.abs(h_train - h_zero).max()) > 0.1  # the state changes the draft

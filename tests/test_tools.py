@@ -10,20 +10,22 @@ sys.path.insert(0, str(REPO / "tools"))
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     import bench
     out = tmp_path / "spec"
-    # block drafters (made-up profile): the scheduler, the sampled rule, a tree from the one pass
-    block = ["dspark chain=4 schedule", "dspark depth=4,topk=4,nodes=16", "dflash chain=4 T=1 sampled"]
-    assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4"] + block), "--out", str(out)]) == 0
+    # block drafters (made-up profile): the scheduler, a best-first tree from the one pass, the sampled rule
+    block = ["dspark chain=4 schedule", "dflash chain=4 T=1 sampled", "dspark treeflash,nodes=8,rows=markov"]
+    assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4"] + block), "--tree-budgets", "8",
+                       "--plot-budgets", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4"] + block
-    for r in rows[3::2]:  # the draft-ms and verify-width columns; the scheduler's cuts verify fewer nodes
-        assert r["tau"] >= 1 and r["draft_ms"] > 0 and 1 <= r["mean_verify_width"] <= 5
-        assert len(r["depth_acceptance"]) == 4 and 0 <= r["mean_draft_len"] <= 4
-    assert rows[3]["check"]["mismatch"] == 0 and rows[3]["mean_verify_width"] < 5
+    for r in rows[3:]:  # the draft-ms and verify-width columns
+        assert r["tau"] >= 1 and r["draft_ms"] > 0 and 1 <= r["mean_verify_width"] <= 8
+        assert len(r["depth_acceptance"]) == 4 and 0 <= r["mean_draft_len"] <= 7
+    assert rows[3]["check"]["mismatch"] == 0 and rows[3]["mean_verify_width"] < 5  # the scheduler's cuts
     assert "| dspark chain=4 schedule |" in out.with_suffix(".md").read_text()
-    sampled = rows[5]  # the sampled-candidates rule, its speedup against AR at the same temperature
+    sampled = rows[4]  # the sampled-candidates rule, its speedup against AR at the same temperature
     assert sampled["temperature"] == 1.0 and sampled["tau"] >= 1 and "speedup" in sampled
-    tree = rows[4]
-    assert tree["check"]["mismatch"] == 0 and tree["mean_verify_width"] == 16 and tree["draft_ms"] > 0
+    tree = rows[5]
+    assert tree["check"]["mismatch"] == 0 and tree["mean_verify_width"] == 8 and tree["draft_ms"] > 0
+    assert (tmp_path / "spec_budgets.png").stat().st_size > 0
     lm = rows[2]
     assert lm["check"]["mismatch"] == 0 and lm["check"]["exact"] + lm["check"]["near_tie"] == 4
     assert lm["tau"] > 1 and len(lm["depth_acceptance"]) == 4

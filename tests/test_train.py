@@ -344,6 +344,30 @@ def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full
     assert got.sequences() == ref.sequences()
     (zoo["base"] / "blk-config.json").write_text(json.dumps(info["run"]["config"]))
     assert block.load_config(zoo["base"] / "blk-config.json") == cfg
+    # TreeFlash: a head trained on the frozen export; only the head moves and only it is written
+    from safetensors.numpy import load_file
+    tf_cfg = _block_cfg(zoo, full_run, name="tiny-treeflash", init_from=str(zoo["base"] / "blk-export"),
+                        freeze_backbone=True, ar_intermediate=16, steps=4, eval_every=4)
+    tf_state = block.train(tf_cfg, zoo["base"] / "tf-run", zoo["base"] / "tf-export", progress=False)
+    tf_params = dict(nnx.to_flat_state(tf_state["params"]))
+    backbone = load_file(str(zoo["base"] / "blk-export" / "model.safetensors"))
+    for key, var in tf_params.items():
+        name = ".".join(map(str, key))
+        if name.startswith("ar_head."):
+            continue
+        np.testing.assert_array_equal(np.asarray(var.get_value()), backbone[name].astype(np.float32), err_msg=name)
+    assert float(np.abs(np.asarray(tf_params[("ar_head", "down", "weight")].get_value())).max()) > 0  # it learned
+    assert all(k.startswith("ar_head.") for k in load_file(str(zoo["base"] / "tf-export" / "model.safetensors")))
+    tf_info = json.loads((zoo["base"] / "tf-export" / "train_info.json").read_text())
+    assert len(tf_info["final"]["val_top4_teacher_forced_markov"]) == 4 and tf_info["calibration"] is None
+    card, _ = model_card.block_card(zoo["base"] / "tf-export")
+    assert "TreeFlash head" in card and "pinned" in card
+    tf = load_drafter(str(zoo["base"] / "tf-export"), target, target_path=str(full_run["export"]))
+    assert tf.head.config.confidence_temperatures == drafter.head.config.confidence_temperatures
+    got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[tf], tree="treeflash,nodes=6,m=2,k=2")
+    assert got.sequences() == ref.sequences()
+    with pytest.raises(ValueError, match="freeze_backbone"):
+        _block_cfg(zoo, full_run, freeze_backbone=True, ar_intermediate=16)
 
 
 # ----------------------------------------------------------------------------- hybrid target

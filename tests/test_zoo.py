@@ -68,7 +68,10 @@ def _check_feature(name):
         assert zoo._sha256(d / fname) == sha, f"{name}/{fname} differs from models/zoo.json"
     target_dir = REPO / "models" / want["target"]
     target = load_model(str(target_dir))
-    assert zoo.draft_chain(d, target, zoo.prompt_ids(load_tokenizer(str(target_dir)))) == want["draft_chain"]
+    ids = zoo.prompt_ids(load_tokenizer(str(target_dir)))
+    assert zoo.draft_chain(d, target, ids) == want["draft_chain"]
+    if "draft_tree" in want:  # a TreeFlash head: the tree its rows give (its chain is the backbone's)
+        assert zoo.draft_chain(d, target, ids, zoo.DRAFT_TREE) == want["draft_tree"]
     card = (d / "README.md").read_text()
     assert ("top-1 agreement" if want["kind"] == "feature" else "acceptance by position") in card
     if want["kind"] == "block":  # the zoo stays lean: own parameters only, bf16, well under 20 MB

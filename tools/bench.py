@@ -56,7 +56,8 @@ import specjax  # noqa: E402
 from specjax import tree as tree_lib  # noqa: E402
 from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
-from specjax.profile import costs_from_profile, default_profile_name, load_profile  # noqa: E402
+from specjax.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile  # noqa: E402
+from specjax.taps import tree_widths  # noqa: E402
 from train.lm import repo_relative  # noqa: E402  (paths written down relative to the repo)
 from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
 
@@ -103,6 +104,33 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
     return out + [Method(f"{name} {tree}", name, tree)]
 
 
+def tree_methods(name: str, drafter: BlockDrafter, budgets, taps_costs=None) -> list[Method]:
+    """Best-first trees from a block drafter's one pass (design §5e), greedy, at each node budget:
+    DDTree (marginal rows), TreeFlash with the Markov head's exact rows, with the TreeFlash head's
+    rows (a drafter that has one), and TreeFlash + TAPS selection (a drafter with a path
+    calibration; its verify budget chosen per round from `taps_costs` {width: round seconds}, when
+    given, among `tree_widths(N)`)."""
+    cfg = drafter.head.config
+    cal = drafter.path_calibration.kinds() if drafter.path_calibration is not None else ()
+    out = []
+    for n in budgets:
+        out.append(Method(f"{name} ddtree,nodes={n}", name, f"ddtree,nodes={n}"))
+        if cfg.markov_rank:
+            out.append(Method(f"{name} treeflash,nodes={n},rows=markov", name, f"treeflash,nodes={n},rows=markov"))
+        if cfg.has_ar_head:
+            out.append(Method(f"{name} treeflash,nodes={n},rows=head", name, f"treeflash,nodes={n},rows=head"))
+        kind = "head" if cfg.has_ar_head else "markov"
+        if cfg.markov_rank and kind in cal:
+            tree = f"treeflash,nodes={n},rows={kind},select=taps"
+            costs = None
+            if taps_costs is not None:
+                widths = tree_widths(n)
+                if all(w in taps_costs for w in widths):
+                    costs = tuple(taps_costs[w] for w in widths)
+            out.append(Method(f"{name} {tree}" + (" budget" if costs else ""), name, tree, costs=costs))
+    return out
+
+
 def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict | None = None) -> list[Method]:
     out = [Method("ar", None), Method("ar T=1", None, temperature=1.0)]
     trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "depth=6,topk=6,nodes=24"),
@@ -125,7 +153,7 @@ def split_methods(text: str) -> list[str]:
     ('lm depth=5,topk=4,nodes=16' is one name)."""
     out = []
     for piece in text.split(","):
-        if out and piece.startswith(("topk=", "nodes=")):
+        if out and piece.startswith(("topk=", "nodes=", "m=", "k=", "depth=", "rows=", "select=")):
             out[-1] += "," + piece
         else:
             out.append(piece)
@@ -152,7 +180,8 @@ def method_drafter(target, drafters, m: Method):
     if m.confidence != "off" or m.costs is not None or m.zero_state:
         if not isinstance(d, BlockDrafter):
             raise ValueError(f"method {m.name!r}: a confidence cut or a zeroed state needs a block drafter")
-        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs, zero_state=m.zero_state)
+        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs, zero_state=m.zero_state,
+                         path_calibration=d.path_calibration)
     return d
 
 
@@ -389,6 +418,46 @@ def write_outputs(rows, meta, out: Path):
     fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
+def plot_budgets(rows, meta, out: Path):
+    """tau and tokens/s against the node budget, one line per best-first method (and each chain
+    of the same run as a horizontal reference): `<out>_budgets.png`."""
+    import re
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines: dict[str, list] = {}
+    refs = []
+    for r in rows:
+        if "tokens_per_s" not in r or r.get("temperature", 0) != 0:
+            continue
+        m = re.search(r"nodes=(\d+)", r["method"])
+        if m and ("ddtree" in r["method"] or "treeflash" in r["method"]):
+            lines.setdefault(re.sub(r"nodes=\d+,?", "", r["method"]).rstrip(","), []).append((int(m.group(1)), r))
+        elif "chain=" in r["method"] and " conf=" not in r["method"] and "zero-state" not in r["method"]:
+            refs.append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, pts in lines.items():
+        pts.sort(key=lambda x: x[0])
+        xs = [n for n, _ in pts]
+        axes[0].plot(xs, [r["tau"] for _, r in pts], marker="o", label=name)
+        axes[1].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=name)
+    for r in refs:
+        axes[0].axhline(r["tau"], ls="--", lw=0.8, color="gray")
+        axes[1].axhline(r["tokens_per_s"], ls="--", lw=0.8, color="gray")
+        axes[1].annotate(r["method"], (axes[1].get_xlim()[0], r["tokens_per_s"]), fontsize=7, color="gray")
+    ar = [r for r in rows if r.get("method") == "ar" and "tokens_per_s" in r]
+    if ar:
+        axes[1].axhline(ar[0]["tokens_per_s"], ls=":", lw=0.8, color="k")
+    for ax, label in zip(axes, ("tau (mean acceptance length)", "tokens/s")):
+        ax.set_xlabel("node budget (root included)")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"best-first trees vs node budget — {meta['setup']} ({meta.get('cpu')})")
+    fig.tight_layout()
+    fig.savefig(out.with_name(out.name + "_budgets.png"), dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
@@ -412,6 +481,12 @@ def main(argv=None):
                     help="verify-width profile for the 'dspark ... schedule' methods (default: "
                          "bench/verify_profile_<target name>.json where it exists; tools/profile_widths.py)")
     ap.add_argument("--no-draft-ms", action="store_true", help="skip timing each drafter's propose + commit alone")
+    ap.add_argument("--tree-budgets", default=None, metavar="N,N,...",
+                    help="best-first trees (ddtree / treeflash / TAPS) of the block drafters at these node budgets")
+    ap.add_argument("--taps-profile", default=None,
+                    help="a verify-width profile of a TAPS tree (tools/profile_widths.py --tree ...select=taps): "
+                         "the TAPS rows choose their verify budget per round")
+    ap.add_argument("--plot-budgets", action="store_true", help="also plot tau and tokens/s against the node budget")
     ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests"])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
@@ -455,6 +530,23 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     methods = default_methods(drafters, args.dspark_threshold, costs)
+    if args.tree_budgets:
+        try:
+            budgets = [int(x) for x in args.tree_budgets.split(",")]
+        except ValueError:
+            ap.error(f"--tree-budgets {args.tree_budgets}: expected comma-separated node counts")
+        taps = None
+        if args.taps_profile:
+            try:
+                prof = load_profile(args.taps_profile)
+                widths = tree_widths(max(budgets))
+                taps = dict(zip(widths, costs_at_widths(prof, args.batch, widths)))
+            except ValueError as e:
+                ap.error(f"--taps-profile {args.taps_profile}: {e}")
+            profile_used = ((profile_used + "; ") if profile_used else "") + "TAPS: " + repo_relative(args.taps_profile)
+        for name, d in drafters.items():
+            if isinstance(d, BlockDrafter):
+                methods += tree_methods(name, d, budgets, taps)
     if args.methods:
         keep = set(split_methods(args.methods))
         methods = [m for m in methods if m.name in keep or m.drafter is None]
@@ -502,6 +594,8 @@ def main(argv=None):
             "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hf_peer": meta_hf, "verify_profile": profile_used, "dspark_threshold": args.dspark_threshold}
     write_outputs(rows, meta, Path(args.out))
+    if args.plot_budgets:
+        plot_budgets(rows, meta, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]
     if bad:

@@ -123,7 +123,7 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     from specjax.drafters.base import Committed, DraftContext
     from specjax.sampling import SamplingParams
 
-    spec = tree_lib.parse_tree_spec(spec_str)
+    spec = drafter.resolve_tree(tree_lib.parse_tree_spec(spec_str))
     D, M, R = spec.max_depth, 64, loops
     V = target.config.vocab_size
     scratch = drafter.check_tree(spec, "greedy")

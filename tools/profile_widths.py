@@ -67,7 +67,7 @@ def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int =
     accepted tokens): `loops` propose + commit pairs in one jitted `fori_loop` carrying the
     drafter's state, on the state after a prefill of `prompts` and one real greedy round.
     Works for any drafter (the commit replayed is that first round's)."""
-    spec = tree_lib.parse_tree_spec(spec)
+    spec = drafter.resolve_tree(tree_lib.parse_tree_spec(spec))
     D, M = spec.max_depth, 8
     V = target.config.vocab_size
     scratch = drafter.check_tree(spec, "greedy")
@@ -121,8 +121,10 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
     draft = jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32)
     if isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1:
         tree = tree_lib.chain_tree(toks[:, -1], draft)
+    elif isinstance(spec, tree_lib.BestFirstTree):  # w tree nodes cost what w chain nodes cost: one forward over w
+        tree, D = tree_lib.chain_tree(toks[:, -1], draft), N - 1
     else:
-        raise ValueError(f"profile_widths profiles chains (the block drafter's tree), not {spec}")
+        raise ValueError(f"profile_widths profiles chains and best-first trees (the block drafter's), not {spec}")
 
     def make(w):
         sub = jax.tree.map(lambda x: x[:, :w], tree)
@@ -193,7 +195,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--drafter", default=None, help="block drafter directory (default: TARGET-dspark)")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
-    ap.add_argument("--tree", default=None, help="chain=k (default: chain=<the drafter's block size>)")
+    ap.add_argument("--tree", default=None, help="chain=k (default: chain=<the drafter's block size>) or a TAPS tree, e.g. treeflash,nodes=32,select=taps")
     ap.add_argument("--context", type=int, default=256, help="committed tokens in the caches (default 256)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loops", type=int, default=LOOPS, help="iterations per timed jitted call")
@@ -234,7 +236,11 @@ def main(argv=None) -> dict:
         target_name, drafter_name, sha = repo_relative(args.target), repo_relative(args.drafter), weights_sha256(args.target)
     tree = args.tree or f"chain={drafter.head.config.block_size}"
     try:
-        spec = tree_lib.parse_tree_spec(tree)
+        spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
+        if isinstance(spec, tree_lib.BestFirstTree):  # TAPS's budget: the widths of tree_widths(N), confidence off
+            from specjax.taps import tree_widths
+            drafter = BlockDrafter(drafter.head, target, path_calibration=drafter.path_calibration,
+                                   costs=(1.0,) * len(tree_widths(spec.num_nodes)) if spec.select == "taps" else None)
         drafter.check_tree(spec, "greedy")
         widths = drafter.verify_widths(spec)
     except ValueError as e:

@@ -73,6 +73,9 @@ class BlockTrainConfig:
     reader_layer: int = 1
     state_every: int = 8  # the state pass's chunk: anchors sit at multiples of it (their states come free)
     init_from: str | None = None  # a trained block drafter to start from (its parameters; the reader fresh)
+    # TreeFlash (design §5e): the autoregressive-approximation head, trained on a frozen backbone
+    ar_intermediate: int = 0  # > 0: the head's width I
+    freeze_backbone: bool = False  # train the TreeFlash head only (needs init_from: the backbone)
     anchors: int = 32  # blocks per sequence
     ce_weight: float = 0.1
     l1_weight: float = 0.9
@@ -98,6 +101,9 @@ class BlockTrainConfig:
             raise ValueError(f"state_every must be >= 1, got {self.state_every}")
         if isinstance(self.state_layers, str) and self.state_layers != "all":
             raise ValueError(f"state_layers must be 'all' or a list of target layers, got {self.state_layers!r}")
+        if self.freeze_backbone and (not self.init_from or self.ar_intermediate < 1):
+            raise ValueError("freeze_backbone trains a TreeFlash head on a trained backbone: it needs init_from "
+                             "(the backbone) and ar_intermediate > 0")
 
 
 def load_config(path) -> BlockTrainConfig:
@@ -109,7 +115,8 @@ def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
                                      markov_rank=cfg.markov_rank, confidence=cfg.confidence,
                                      target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size,
                                      state_layers=cfg.state_layers or (), reader_rank=cfg.reader_rank,
-                                     reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer)
+                                     reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer,
+                                     ar_intermediate=cfg.ar_intermediate)
 
 
 def sample_anchors(key, B: int, T: int, A: int, W: int):
@@ -175,7 +182,10 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
     if zero_state:
         states = jnp.zeros_like(states)
-    logits, conf, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)  # [B, A, W, V]
+    tp = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)  # [B, A, W, V]
+    logits, conf = tp.logits, tp.conf
+    if cfg.freeze_backbone:  # the TreeFlash head alone learns: the DSpark objective on its conditional rows
+        logits, conf = tp.ar, None
     B, A = anchors_BxA.shape
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
     p_t = jax.nn.softmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W, -1)
@@ -192,7 +202,13 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
         bce = jnp.mean(optax.sigmoid_binary_cross_entropy(conf, alpha))
         loss = loss + bce
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p_t, -1), axis=(0, 1))
-    return loss, {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
+    metrics = {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
+    if cfg.freeze_backbone:  # against the backbone's own (Markov) rows: top-1 agreement and top-4 coverage
+        t_arg = jnp.argmax(p_t, -1)
+        cover = lambda lg: jnp.mean(jnp.any(jax.lax.top_k(lg, 4)[1] == t_arg[..., None], -1), axis=(0, 1))  # noqa: E731
+        metrics.update(agree_tf_markov=jnp.mean(jnp.argmax(tp.logits, -1) == t_arg, axis=(0, 1)),
+                       top4_tf=cover(logits), top4_tf_markov=cover(tp.logits))
+    return loss, metrics
 
 
 def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: bool = False):
@@ -203,7 +219,7 @@ def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: b
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, every)
     if zero_state:
         states = jnp.zeros_like(states)
-    _, _, h, base = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)
+    _, _, h, base, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)
     B, A = anchors_BxA.shape
     anchor_tok = jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)
     toks, conf = Bk.self_fed_walk(head, base.reshape(B * A, W, -1), h.reshape(B * A, W, -1), anchor_tok.reshape(-1))
@@ -222,7 +238,11 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     tgt_def, tgt_params = nnx.split(target)
     schedule, tx = drafter_run.optimizer(cfg)
 
+    def frozen(path) -> bool:  # a TreeFlash run trains its head only
+        return cfg.freeze_backbone and "ar_head" not in jax.tree_util.keystr(path)
+
     def loss_of(params, tokens, anchors, zero_state=False):
+        params = jax.tree_util.tree_map_with_path(lambda p, x: jax.lax.stop_gradient(x) if frozen(p) else x, params)
         return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -231,7 +251,9 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
         anchors = anchors_for(cfg, hcfg, jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), B, T)
         (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
-        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1},
+        new = optax.apply_updates(state["params"], updates)
+        new = jax.tree_util.tree_map_with_path(lambda p, n, o: o if frozen(p) else n, new, state["params"])
+        return ({"params": new, "opt_state": opt, "step": state["step"] + 1},
                 {"loss": loss, **m, "lr": schedule(state["step"])})
 
     @functools.partial(jax.jit, static_argnames="zero_state")
@@ -292,12 +314,15 @@ def start_from(head: Bk.BlockHead, path) -> None:
 def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[dict, np.ndarray | None, np.ndarray]:
     """(record, confidence logits [N, W] or None, accepted [N, W]) over the validation windows."""
     n = (len(windows) // batch_size) * batch_size or len(windows)
-    losses, l1, agree_tf, agree, accepted, conf = [], [], [], [], [], []
+    losses, l1, agree_tf, agree, accepted, conf, extra = [], [], [], [], [], [], {}
     for i in range(0, n, batch_size):
         loss, m, ag, acc, cf = eval_step(params, jnp.asarray(windows[i:i + batch_size]), zero_state=zero_state)
         losses.append(float(loss))
         l1.append(np.asarray(m["l1"]))
         agree_tf.append(np.asarray(m["agree_tf"]))
+        for name in ("agree_tf_markov", "top4_tf", "top4_tf_markov"):
+            if name in m:
+                extra.setdefault(name, []).append(np.asarray(m[name]))
         W = ag.shape[-1]
         agree.append(np.asarray(ag).reshape(-1, W))
         accepted.append(np.asarray(acc).reshape(-1, W))
@@ -308,6 +333,9 @@ def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[
            "val_agree_teacher_forced": np.mean(agree_tf, 0).round(4).tolist(),
            "val_agree": agree.mean(0).round(4).tolist(), "val_accept": accepted.mean(0).round(4).tolist(),
            "val_tau_estimate": round(1.0 + float(accepted.sum(1).mean()), 3), "val_blocks": int(len(agree))}
+    names = {"agree_tf_markov": "val_agree_teacher_forced_markov", "top4_tf": "val_top4_teacher_forced",
+             "top4_tf_markov": "val_top4_teacher_forced_markov"}  # a TreeFlash run: its head's rows and the backbone's
+    rec.update({names[k]: np.mean(v, 0).round(4).tolist() for k, v in extra.items()})
     return rec, (np.concatenate(conf) if conf else None), accepted
 
 
@@ -377,6 +405,10 @@ def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, ru
     record, conf, accepted = evaluate(eval_step, params, val, cfg.batch_size)
     head = nnx.merge(head_def, params)
     calibration = None
+    backbone = str(_resolve(cfg.init_from)) if cfg.freeze_backbone else None
+    if backbone is not None:  # the backbone is unchanged: its calibration stands, and only the head is written
+        head.config = dataclasses.replace(head.config, confidence_temperatures=Bk.read_config(backbone).confidence_temperatures)
+        conf = None
     if conf is not None:
         temps, _, _ = Bk.calibrate_temperatures(conf[0::2], accepted[0::2])
         head.config = dataclasses.replace(head.config, confidence_temperatures=temps)
@@ -384,7 +416,7 @@ def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, ru
                        "heldout_blocks": int(len(conf[1::2])),
                        "ece_before": np.round(Bk.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
                        "ece_after": np.round(Bk.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}
-    Bk.save_block_head(head, str(export_dir))
+    Bk.save_block_head(head, str(export_dir), backbone=backbone)
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
     train_s = sum(t["train_step_s"] for t in timing)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len

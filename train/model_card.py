@@ -160,7 +160,7 @@ Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not her
 
 ## Reproduce
 ```
-{command}
+{command}{calib_cmd}
 python -m train.model_card --model models/{name}
 ```
 """
@@ -195,8 +195,18 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
 """
     loss_tail = ("\n+ BCE(c_k, 1 − ½‖p_d − p_t‖₁), the Markov head teacher-forced" if dcfg["confidence"] else
                  ", the Markov head teacher-forced" if dcfg["markov_rank"] else "")
+    if cfg.get("freeze_backbone"):
+        loss_tail = (" on the TreeFlash head's rows (the previous token teacher-forced), the backbone frozen "
+                     "(no confidence term: its head is the backbone's)")
+    tf_label = ("agreement, previous token teacher-forced (TreeFlash rows)" if cfg.get("freeze_backbone")
+                else "agreement, Markov input teacher-forced")
     command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
+    cal_file = model_dir / "path_calibration.json"
+    calib_cmd = "\n" + json.loads(cal_file.read_text())["command"] if cal_file.exists() else ""
     reader_text = _reader_section(dcfg, cfg, info, fmt) if dcfg.get("state_layers") else ""
+    if dcfg.get("ar_intermediate"):
+        reader_text += _treeflash_section(model_dir, dcfg, cfg, info, fmt)
+        kind = "TreeFlash head on " + kind
     if dcfg.get("state_layers"):
         kind = "ReaDy (" + kind + ", reading the target's recurrent states)"
     card = f"""# {name}
@@ -226,19 +236,67 @@ conditioned on the data, not on the draft; `tools/bench.py` measures the real τ
 |---|---|
 | agreement with the target | {fmt(final['val_agree'])} |
 | acceptance by position (all up to k agree) | {fmt(final['val_accept'])} |
-| agreement, Markov input teacher-forced | {fmt(final['val_agree_teacher_forced'])} |
+| {tf_label} | {fmt(final['val_agree_teacher_forced'])} |
 | ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
 
 Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
 {reader_text}{calib_text}
 ## Reproduce
 ```
-{command}
+{command}{calib_cmd}
 python -m train.model_card --model models/{name}
 ```
 """
     return card, {"name": model_dir.name, "config": name, "params": n_params, "bytes": size, "val": final,
                   "calibration": calib}
+
+
+def _treeflash_section(model_dir: Path, dcfg: dict, cfg: dict, info: dict, fmt) -> str:
+    """TreeFlash's card section: the head, its backbone reference, its rows against the backbone's
+    Markov rows on the validation blocks, and the path calibration where one is stored."""
+    final = info["final"]
+    E, Ia = dcfg["hidden_size"], dcfg["ar_intermediate"]
+    where = (f"Only the head is stored here; every other parameter is the backbone's, read from "
+             f"`{dcfg['backbone']}` (relative to this directory), whose weights digest "
+             f"`{dcfg['backbone_sha256'][:12]}…` is pinned: a retrained backbone is refused."
+             if dcfg.get("backbone") else "The backbone's parameters are stored with the head.")
+    rows = ""
+    if "val_agree_teacher_forced_markov" in final:
+        rows = f"""
+| validation, previous token teacher-forced | position 1 → {dcfg['block_size']} |
+|---|---|
+| top-1 agreement, TreeFlash rows | {fmt(final['val_agree_teacher_forced'])} |
+| top-1 agreement, the backbone's Markov rows | {fmt(final['val_agree_teacher_forced_markov'])} |
+| target's argmax in the top 4, TreeFlash rows | {fmt(final['val_top4_teacher_forced'])} |
+| target's argmax in the top 4, Markov rows | {fmt(final['val_top4_teacher_forced_markov'])} |
+"""
+    cal_file = model_dir / "path_calibration.json"
+    cal = ""
+    if cal_file.exists():
+        c = json.loads(cal_file.read_text())
+        lines = "\n".join(f"| {k} | {sum(map(sum, c['counts'][k])):,} | {fmt([x for x in c['acceptance_by_depth'][k] if x is not None])} |"
+                           for k in c["tables"])
+        cal = f"""
+## Path calibration (TAPS)
+`path_calibration.json`: g(q, depth), the probability that a node whose own draft probability is q is
+accepted given its parent is, per row kind, {c['bins']} bins of q per depth (shrunk toward the depth's
+mean, isotonic in q), fitted on {c['sequences']} greedy continuations of {c['split']}-split prompts
+({c['rounds_per_sequence']} rounds each; top {c['k']} nodes per row, {c['m']} candidates per position).
+`select=taps` ranks paths by the product of g along them. Command: `{c['command']}`.
+
+| rows | nodes | accepted fraction of a row's top {c['k']}, by depth (parent accepted) |
+|---|---:|---|
+{lines}
+"""
+    return f"""
+## TreeFlash head (design §5e)
+h'_k = h_k + D(silu(G)·U) with [U; G] = Linear([norm(E[x_{{k−1}}]); norm(h_k)]) ({2 * E} → {2 * Ia}, with bias),
+D: {Ia} → {E} zero-initialised, on the backbone's output before the final norm; the conditional logits
+for a previous token x are the LM head of norm(h'_k) plus the backbone's Markov term W2(W1[x]).
+Trained on the frozen backbone `{cfg['init_from']}` (`freeze_backbone`: only the head learns; the DSpark
+objective on its teacher-forced rows). {where} Chains still draft through the Markov head; the head
+fills the conditional rows of `treeflash` trees (`tree="treeflash,nodes=N,m=…,k=…"`).
+{rows}{cal}"""
 
 
 def _reader_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:

@@ -38,8 +38,12 @@ def greedy_continuation(model, ids: list[int]) -> list[int]:
     return specjax.generate(model, [ids], max_new_tokens=NEW_TOKENS, eos_token_id=()).sequences()[0]
 
 
-def draft_chain(head_dir: Path, target, ids: list[int]) -> list[int]:
-    """A feature or block drafter's chain after the prompt (its proposal for the first round)."""
+DRAFT_TREE = "treeflash,nodes=16,rows=head"  # a TreeFlash head's record: its tree's tokens (its rows decide them)
+
+
+def draft_chain(head_dir: Path, target, ids: list[int], tree: str | None = None) -> list[int]:
+    """A feature or block drafter's chain after the prompt (its proposal for the first round), or
+    the tokens of the tree `tree` it proposes there (a block drafter's best-first tree)."""
     import jax
     import jax.numpy as jnp
 
@@ -54,7 +58,7 @@ def draft_chain(head_dir: Path, target, ids: list[int]) -> list[int]:
                       hidden_layers=tuple(drafter.target_layers))
     root = jnp.argmax(out.logits[:, P - 1], axis=-1).astype(jnp.int32)
     state = drafter.init(jnp.asarray([ids], jnp.int32), jnp.asarray([P]), P + 32, out)
-    spec = tree_lib.parse_tree_spec(f"chain={DRAFT_CHAIN}")
+    spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree or f"chain={DRAFT_CHAIN}"))
     ctx = DraftContext(spec, "topk", sampling.SamplingParams.make(0.0, 0, 1.0), jax.random.key(0))
     prop = drafter.propose(state, root, ctx)
     return [int(root[0])] + [int(t) for t in prop.tree.tokens[0, 1:]]
@@ -74,6 +78,8 @@ def record_for(d: Path, targets: dict) -> dict:
         tok = load_tokenizer(str(target_dir))
         kind = json.loads((d / "drafter_config.json").read_text())["drafter"]  # feature | block
         rec.update(kind=kind, target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))
+        if json.loads((d / "drafter_config.json").read_text()).get("ar_intermediate"):
+            rec["draft_tree"] = draft_chain(d, target, prompt_ids(tok), DRAFT_TREE)
     else:
         model = targets.setdefault(d.name, load_model(str(d)))
         tok = load_tokenizer(str(d))
@@ -139,9 +145,9 @@ def check() -> list[str]:
         if problems:
             continue
         got = record_for(d, targets)
-        key = "greedy" if want["kind"] == "lm" else "draft_chain"
-        if got[key] != want[key]:
-            problems.append(f"{name}: {key} {got[key]} differs from the stored {want[key]}")
+        for key in (["greedy"] if want["kind"] == "lm" else ["draft_chain", "draft_tree"]):
+            if got.get(key) != want.get(key):
+                problems.append(f"{name}: {key} {got.get(key)} differs from the stored {want.get(key)}")
     for name, want in zoo.get("schedulers", {}).items():
         d = SCHEDULERS / name
         if not d.is_dir():

@@ -55,8 +55,9 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     if kind == "block":
         if fold is not None:
             raise ValueError("FOLD is not built for block drafters (use it with an lm or feature drafter)")
+        from specjax.taps import read_path_calibration
         return BlockDrafter(load_block_head(spec, dtype=target.config.dtype), target, confidence=confidence,
-                            costs=costs)
+                            costs=costs, path_calibration=read_path_calibration(spec))
     if kind == "feature":
         return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)

@@ -27,6 +27,8 @@ capabilities (class attributes, read on the host; never a check of the drafter's
                          drafter: its block)
 
 hooks (host side, before tracing)
+    resolve_tree(spec) -> the spec with what the drafter decides filled in (a best-first tree's depth:
+                         a block drafter's block); default: the spec as given
     check_tree(spec, rule) -> scratch slots it needs past each cache's committed length; raises
                          ValueError on a setup it cannot draft (default: sampled rules need gives_q)
     validate(capacity)   its own checks against the cache capacity (default: none)
@@ -132,9 +134,17 @@ class Drafter(nnx.Module):
         """log q(·|node) at every node of another drafter's tree [B, N, V]; the state is unchanged."""
         raise ValueError(f"the {self.name!r} drafter cannot score another drafter's tree (can_score=False)")
 
+    def resolve_tree(self, spec: TreeSpec) -> TreeSpec:
+        """On the host before tracing: the spec with what this drafter decides filled in."""
+        return spec
+
     def check_tree(self, spec: TreeSpec, rule: str) -> int:
         """On the host before tracing: ValueError on a setup this drafter cannot draft; returns the
         scratch slots it needs past its cache's committed length beyond the tree's own (0)."""
+        from specjax.tree import BestFirstTree
+        if isinstance(spec, BestFirstTree):
+            raise ValueError(f"a best-first tree (ddtree / treeflash) is drafted from a block drafter's per-depth "
+                             f"tables; the {self.name!r} drafter gives none (use a chain, a path list or a dynamic tree)")
         if rule in SAMPLED_RULES and not self.gives_q:
             raise ValueError(f"the {self.name!r} drafter proposes deterministic candidates (no q to sample from); "
                              f"use verify='deterministic', not {rule!r}")

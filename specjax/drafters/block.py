@@ -31,8 +31,27 @@ Confidence cuts (a cut only removes proposals, so every rule stays lossless):
 Trees: a static or dynamic tree spec of depth <= W is drafted from the same single backbone pass;
 a node at depth d holding token x gets the children of b_d + W2(W1[x]), the Markov head's exact
 conditional row (DFlash: the marginal b_d), expanded depth by depth through the head alone
-(`tree.expand`). Confidence cuts apply to chains only. The best-first (DDTree) and TreeFlash trees
-of design §5e are not built here.
+(`tree.expand`). Confidence cuts apply to chains only.
+
+Best-first trees (design §5e; `ddtree,nodes=N,...` / `treeflash,nodes=N,...` specs) come from the
+same one pass: per-depth transition tables (`BlockDrafter.tables`), then a heap in the program
+(`tree.best_first`): pop the best path, push its next sibling and its first child, N-1 times.
+    ddtree      marginal rows: one per depth, the row along the drafter's own greedy chain (DSpark:
+                the Markov head given the chain's previous token; DFlash: b_k); every node expandable
+    treeflash   conditional rows for the top m candidate previous tokens of each position (the top
+                m of the marginal row above), top k children each; a node whose token is not a
+                candidate is a leaf (as in ETH-DISCO/TreeFlash). rows=markov: the Markov head's
+                exact rows b_k + W2(W1[x]) (free); rows=head: TreeFlash's autoregressive-
+                approximation head (`ar_intermediate` > 0), trained on the frozen backbone
+                    h'_k = h_k + D(silu(G) * U),  [U; G] = Linear([norm(E[x_{k-1}]); norm(h_k)])
+                on the pre-norm output h_k (D zero-initialised), logits = lm_head(norm(h'_k)) + Markov
+    select=taps paths ranked by the product of calibrated acceptance estimates g(q, depth)
+                (`specjax.taps`: fitted by `train.path_calibration`, stored with the drafter); with
+                `costs` the verify budget is chosen per round among `tree_widths(N)` (design §3b)
+A TreeFlash head may be stored without its backbone (`save_block_head(backbone=DIR)`): only the head's
+tensors, the backbone's directory and weights digest in its config.
+Departures from TreeFlash: candidates come from the Markov-corrected greedy chain's rows (not raw
+DFlash logits), the head adds the backbone's Markov term, and it trains on the DSpark objective.
 
 ReaDy (design §5c; `state_layers` set, a hybrid target only): the block also reads the target's
 committed Gated DeltaNet states S_l [H_v, dk, dv] of the read layers, after the last committed token
@@ -58,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +85,9 @@ import numpy as np
 from flax import nnx
 
 from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
+from specjax.taps import PathCalibration, budget_keep, tree_widths
 from specjax.drafters import heads
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax.drafters.base import SAMPLED_RULES, Committed, DraftContext, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, RMSNorm, linear, rms_norm
@@ -99,6 +119,8 @@ class BlockConfig:
     reader_rank: int = 8  # rank of the query map A(B^T norm(h))
     reader_out_rank: int = 64  # rank of the zero-initialised output map U
     reader_layer: int = 1  # the backbone layer whose input gets h + U(o) (num_layers: before the final norm)
+    # TreeFlash (design §5e): the autoregressive-approximation head, on when ar_intermediate > 0
+    ar_intermediate: int = 0  # I of [U; G] = Linear([norm(E[x_{k-1}]); h_k]) (2E -> 2I), D: I -> E
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -112,6 +134,8 @@ class BlockConfig:
         t = self.confidence_temperatures
         if t is not None and len(t) != self.block_size:
             raise ValueError(f"confidence_temperatures has {len(t)} entries for block_size {self.block_size}")
+        if self.ar_intermediate < 0:
+            raise ValueError(f"ar_intermediate must be >= 0 (0: no TreeFlash head), got {self.ar_intermediate}")
         if self.state_layers:
             if self.state_shape is None or len(self.state_shape) != 3:
                 raise ValueError("a state reader (state_layers) needs state_shape (H_v, dk, dv) of the target's state")
@@ -124,6 +148,11 @@ class BlockConfig:
                                  f"updated; {self.num_layers}: before the final norm), got {self.reader_layer}")
 
     @property
+    def has_ar_head(self) -> bool:
+        """TreeFlash: conditional rows from the autoregressive-approximation head."""
+        return self.ar_intermediate > 0
+
+    @property
     def reads_state(self) -> bool:
         """ReaDy: the block reads the target's committed recurrent states."""
         return bool(self.state_layers)
@@ -131,7 +160,7 @@ class BlockConfig:
     @classmethod
     def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
                    target_layers=None, intermediate_size=None, state_layers=(), reader_rank=8, reader_out_rank=64,
-                   reader_layer=1) -> "BlockConfig":
+                   reader_layer=1, ar_intermediate=0) -> "BlockConfig":
         """`state_layers`: () for DSpark / DFlash; target layer indices of Gated DeltaNet layers, or
         "all" (every one), for ReaDy (a hybrid target only)."""
         L = target_cfg.num_layers
@@ -157,7 +186,8 @@ class BlockConfig:
                    block_size=block_size, target_layers=layers, vocab_size=target_cfg.vocab_size,
                    markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
                    rms_norm_eps=target_cfg.rms_norm_eps, state_layers=tuple(state_layers), state_shape=state_shape,
-                   reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer)
+                   reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer,
+                   ar_intermediate=ar_intermediate)
 
 
 class BlockLayer(nnx.Module):
@@ -193,6 +223,20 @@ class StateReader(nnx.Module):
         self.out = nnx.Param(jnp.zeros((ro, E), dtype))
 
 
+class ARHead(nnx.Module):
+    """TreeFlash's autoregressive-approximation head (design §5e): h'_k = h_k + D(silu(G) * U) with
+    [U; G] = Linear([norm(E[x_{k-1}]); norm(h_k)]) (with bias), D zero-initialised (a fresh head
+    changes nothing), on the backbone's pre-norm output h_k; the logits are the LM head of the
+    final norm of h'_k (plus the Markov term where the drafter has one)."""
+
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype):
+        E, Ia = cfg.hidden_size, cfg.ar_intermediate
+        self.embed_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        self.up_gate = Linear(2 * E, 2 * Ia, bias=True, rngs=rngs, dtype=dtype)
+        self.down = Linear(Ia, E, bias=False, rngs=rngs, dtype=dtype)
+        self.down.weight = nnx.Param(jnp.zeros((Ia, E), dtype))
+
+
 class BlockHead(nnx.Module):
     """The trainable part of the drafter (the target's embedding and LM head are borrowed)."""
 
@@ -215,6 +259,7 @@ class BlockHead(nnx.Module):
         else:
             self.confidence_w = self.confidence_b = None
         self.reader = StateReader(cfg, rngs, dtype) if cfg.reads_state else None
+        self.ar_head = ARHead(cfg, rngs, dtype) if cfg.has_ar_head else None
 
 
 # ----------------------------------------------------------------------------- layer functions
@@ -276,7 +321,7 @@ def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend, inject=None):
     places the block's keys beside the context's and attends (drafting: through the cache;
     training: over all anchors at once). `inject(x) -> x` (ReaDy's state read) runs on the input of
     layer `reader_layer` (num_layers: before the final norm). Returns the normalised final hidden
-    state [B, Q, E]."""
+    state [B, Q, E] and the one before the final norm (TreeFlash's head adds to it)."""
     cfg = head.config
     B, Q, _ = x_BxQxE.shape
     cos, sin = _cos_sin(cfg, positions_BxQ)
@@ -294,7 +339,7 @@ def backbone(head: BlockHead, x_BxQxE, positions_BxQ, attend, inject=None):
         x = x + linear(layer.mlp.down_proj, jax.nn.silu(linear(layer.mlp.gate_proj, h)) * linear(layer.mlp.up_proj, h))
     if inject is not None and cfg.reader_layer == len(head.layers):
         x = inject(x)
-    return rms_norm(head.norm, x)
+    return rms_norm(head.norm, x), x
 
 
 def state_injector(head: BlockHead, states_LxBxAxHxKxV, A: int):
@@ -322,20 +367,47 @@ def position_logits(head: BlockHead, base_xV, m_xR):
     return base_xV + (m_xR @ head.markov_out[...]).astype(jnp.float32)
 
 
+def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x):
+    """TreeFlash's conditional logits at block positions whose previous token is `prev` (any leading
+    shape, `pre` / `h` broadcast to it): lm_head(norm(pre + D(silu(G) * U))) + the Markov term."""
+    ar = head.ar_head
+    e = rms_norm(ar.embed_norm, transformer.embed(target, prev_x).astype(pre_xE.dtype))
+    h = jnp.broadcast_to(h_xE, e.shape)
+    u, g = jnp.split(linear(ar.up_gate, jnp.concatenate([e, h], axis=-1)), 2, axis=-1)
+    x = jnp.broadcast_to(pre_xE, e.shape) + linear(ar.down, jax.nn.silu(g) * u)
+    return position_logits(head, transformer.lm_head(target, rms_norm(head.norm, x)), markov_embed(head, prev_x))
+
+
 def confidence_logit(head: BlockHead, h_xE, m_xR):
     """w.[h_k; W1[x_{k-1}]] + b, before the sigmoid and the calibration temperature."""
     z = jnp.concatenate([h_xE, m_xR], axis=-1) @ head.confidence_w[...] + head.confidence_b[...]
     return z.astype(jnp.float32)
 
 
-def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA, states_LxBxAxHxKxV=None):
+class TrainPass(NamedTuple):
+    logits: Any  # [B, A, W, V] the Markov head's (teacher-forced)
+    conf: Any  # [B, A, W] confidence logits, or None
+    hidden: Any  # [B, A, W, E] after the final norm
+    base: Any  # [B, A, W, V] b_k
+    ar: Any  # [B, A, W, V] TreeFlash's conditional logits (teacher-forced), or None without the head
+    pre: Any  # [B, A, W, E] before the final norm
+
+
+class BlockPass(NamedTuple):
+    base: Any  # [B, W, V] base logits b_k
+    hidden: Any  # [B, W, E] after the final norm
+    cache: Any  # the drafter's cache with the block's K/V in its scratch slots
+    pre: Any  # [B, W, E] before the final norm (TreeFlash's head reads it)
+
+
+def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA, states_LxBxAxHxKxV=None) -> TrainPass:
     """Training forward over many anchors per sequence (every block in one pass).
     ReaDy: `states` are the target's committed states at each anchor (after tokens < a_j).
 
     Block j starts at anchor a_j (its token tokens[a_j]), sees the context positions < a_j and its
     own W positions (non-causal). Position k predicts tokens[a_j + k + 1]; its Markov input is the
-    true previous token tokens[a_j + k] (teacher forcing). Returns (logits [B, A, W, V],
-    confidence logits [B, A, W] or None, hidden [B, A, W, E], base logits [B, A, W, V]). Anchors need a_j >= 1 and
+    true previous token tokens[a_j + k] (teacher forcing), as is TreeFlash's head's. Returns a
+    `TrainPass` (logits, confidence logits, hidden, base logits, TreeFlash logits). Anchors need a_j >= 1 and
     a_j + W < T for their labels to exist (the caller samples them so)."""
     cfg = head.config
     B, T = tokens_BxT.shape
@@ -355,15 +427,16 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
 
     if head.reader is not None and states_LxBxAxHxKxV is None:
         raise ValueError("a state-reading block drafter (ReaDy) trains on the target's states at the anchors")
-    h = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
-                 pos_BxAxW.reshape(B, Q), attend, state_injector(head, states_LxBxAxHxKxV, A))
+    h, pre = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
+                      pos_BxAxW.reshape(B, Q), attend, state_injector(head, states_LxBxAxHxKxV, A))
     base = transformer.lm_head(target, h).reshape(B, A, W, -1)
     h = h.reshape(B, A, W, -1)
     prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, Q), axis=1).reshape(B, A, W)
     m = markov_embed(head, prev)
     logits = position_logits(head, base, m)
     conf = confidence_logit(head, h, m) if cfg.confidence else None
-    return logits, conf, h, base
+    ar = None if head.ar_head is None else ar_logits(head, target, pre.reshape(B, A, W, -1), h, prev)
+    return TrainPass(logits, conf, h, base, ar, pre.reshape(B, A, W, -1))
 
 
 def self_fed_walk(head: BlockHead, base_BxWxV, h_BxWxE, anchor_B):
@@ -445,7 +518,11 @@ class BlockDrafter(heads.HeadDrafter):
     """DSpark / DFlash / ReaDy behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
     "schedule" (then `costs`: seconds per round at each of `widths`, profiled for this machine and
     batch size). `widths`: the compiled verify widths when cutting (default `default_widths`).
-    `zero_state`: ReaDy's ablation, the reader on zeroed states (a ReaDy head only)."""
+    `zero_state`: ReaDy's ablation, the reader on zeroed states (a ReaDy head only).
+    Best-first trees (`ddtree,...` / `treeflash,...` specs, design §5e) are drafted from the same one
+    backbone pass; `select=taps` needs `path_calibration` (the directory's `path_calibration.json`),
+    and with `costs` (round seconds per width of `tree_widths`, confidence off) chooses each round's
+    verify budget."""
     name = "block"
     gives_q = True
     can_score = True  # its q at a node depends on the block and the node's own token only: exact, one pass
@@ -454,7 +531,8 @@ class BlockDrafter(heads.HeadDrafter):
     def default_tree(self) -> str:
         return f"chain={self.head.config.block_size}"
 
-    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False):
+    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False,
+                 path_calibration: PathCalibration | None = None):
         cfg = head.config
         self.check_target(cfg, target, "block")
         self.state_index = check_state_target(cfg, target)  # ReaDy: the read layers' indices in the target's state
@@ -469,9 +547,12 @@ class BlockDrafter(heads.HeadDrafter):
             if costs is None:
                 raise ValueError("confidence='schedule' needs costs: round seconds per verify width for this machine "
                                  "and batch size (python tools/profile_widths.py)")
-        if costs is not None and (self.confidence != "schedule"
-                                  or not all(math.isfinite(c) and c > 0 for c in map(float, costs))):
-            raise ValueError("costs (positive round seconds per verify width) go with confidence='schedule' only")
+        if costs is not None and not all(math.isfinite(c) and c > 0 for c in map(float, costs)):
+            raise ValueError("costs must be positive round seconds per verify width")
+        if costs is not None and self.confidence not in ("off", "schedule"):
+            raise ValueError("costs go with confidence='schedule' (a chain) or with a TAPS tree "
+                             "(select=taps, confidence off); a threshold cut takes none")
+        self.path_calibration = path_calibration
         self.costs = None if costs is None else tuple(float(c) for c in costs)
         self.widths = None if widths is None else tuple(int(w) for w in widths)
 
@@ -487,9 +568,55 @@ class BlockDrafter(heads.HeadDrafter):
         st = target_cache.state[jnp.asarray(self.state_index)].astype(jnp.float32)
         return jnp.zeros_like(st) if self.zero_state else st
 
+    def row_kind(self, spec) -> str:
+        """The table rows a best-first spec drafts from on this drafter ("auto": the TreeFlash head
+        where there is one, else the Markov head's exact rows); ValueError where it has none."""
+        cfg = self.head.config
+        kind = spec.rows
+        if kind == "auto":
+            kind = "head" if cfg.has_ar_head else "markov"
+        if kind == "head" and not cfg.has_ar_head:
+            raise ValueError("rows=head needs a TreeFlash head (a block drafter trained with ar_intermediate > 0); "
+                             "this one has none: use rows=markov (DSpark) or a ddtree")
+        if kind == "markov" and cfg.markov_rank == 0:
+            raise ValueError("conditional rows need a Markov head or a TreeFlash head; this block drafter (DFlash) "
+                             "has neither: use a ddtree (marginal rows)")
+        return kind
+
+    def resolve_tree(self, spec):
+        """A best-first tree without a depth reaches min(block, nodes - 1)."""
+        if isinstance(spec, tree_lib.BestFirstTree) and spec.depth is None:
+            return dataclasses.replace(spec, depth=min(self.head.config.block_size, spec.nodes - 1))
+        return spec
+
     def check_tree(self, spec, rule: str) -> int:
-        super().check_tree(spec, rule)
         W = self.head.config.block_size
+        if isinstance(spec, tree_lib.BestFirstTree):
+            if spec.depth is None:
+                raise ValueError("an unresolved best-first tree: call the drafter's resolve_tree first")
+            if rule in SAMPLED_RULES:
+                raise ValueError(f"a best-first tree's children are the top-k of its tables (deterministic "
+                                 f"candidates): use verify='deterministic' (or greedy), not {rule!r}")
+            if spec.depth > W:
+                raise ValueError(f"best-first tree depth {spec.depth} is deeper than the block drafter's block "
+                                 f"({W} positions): set depth=<= {W}")
+            if max(spec.k, spec.m) > self.vocab_size:
+                raise ValueError(f"best-first k={spec.k} / m={spec.m} exceed the vocabulary ({self.vocab_size})")
+            if self.confidence != "off":
+                raise ValueError("confidence cuts apply to a chain; a best-first tree needs confidence='off' "
+                                 "(its budget: select=taps with costs)")
+            kind = self.row_kind(spec)
+            if spec.select == "taps":
+                if self.path_calibration is None or kind not in self.path_calibration.kinds():
+                    raise ValueError(f"select=taps needs this drafter's path calibration for {kind} rows "
+                                     f"(path_calibration.json: python -m train.path_calibration)")
+                if self.costs is not None and len(self.costs) != len(self.verify_widths(spec)):
+                    raise ValueError(f"costs has {len(self.costs)} entries for the verify widths "
+                                     f"{self.verify_widths(spec)}")
+            elif self.costs is not None:
+                raise ValueError("costs choose a best-first tree's budget with select=taps only")
+            return W
+        super().check_tree(spec, rule)
         if spec.max_depth > W:
             raise ValueError(f"tree depth {spec.max_depth} is deeper than the block drafter's block ({W} positions): "
                              f"use a tree of depth <= {W}")
@@ -501,6 +628,13 @@ class BlockDrafter(heads.HeadDrafter):
         return W  # the block's scratch slots past the context
 
     def verify_widths(self, spec) -> tuple[int, ...]:
+        if isinstance(spec, tree_lib.BestFirstTree):
+            if spec.select == "taps" and self.costs is not None:
+                widths = self.widths or tree_widths(spec.num_nodes)
+                if widths[-1] != spec.num_nodes:
+                    raise ValueError(f"verify widths {widths} must end at the tree's {spec.num_nodes} nodes")
+                return widths
+            return (spec.num_nodes,)
         if self.confidence == "off" or not is_chain(spec):
             return (spec.num_nodes,)
         widths = self.widths or default_widths(spec.num_nodes)
@@ -545,14 +679,16 @@ class BlockDrafter(heads.HeadDrafter):
         if cfg.reads_state and state.target_state is None:
             raise ValueError("this ReaDy drafter's state holds no target state: make it with this drafter's init")
         inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
-        h = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
-        return transformer.lm_head(self.target, h), h, cache
+        h, pre = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
+        return BlockPass(transformer.lm_head(self.target, h), h, cache, pre)
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
         cfg = self.head.config
         d = ctx.spec.max_depth
         B = root_B.shape[0]
-        base, h, cache = self.draft_block(state, root_B)
+        base, h, cache, pre = self.draft_block(state, root_B)
+        if isinstance(ctx.spec, tree_lib.BestFirstTree):
+            return self._propose_best_first(state, cache, base, h, pre, root_B, ctx)
         if not is_chain(ctx.spec):
             return self._propose_tree(state, cache, base, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
@@ -600,13 +736,81 @@ class BlockDrafter(heads.HeadDrafter):
         drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(tree.valid[:, 1:], axis=1, dtype=jnp.int32)
         return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache, drafted=drafted))
 
+    def tables(self, blk: BlockPass, root_B, spec):
+        """A best-first spec's transition tables from one backbone pass: (tokens, log q, child rows)
+        [B, R, K] and the depth of each row's children [R] (numpy).
+        Marginal rows (DDTree), one per depth d = 1..D: block position d-1's row along the drafter's
+        own greedy chain (DSpark: the Markov head given the chain's previous token, exact at d = 1;
+        DFlash: b_{d-1}); every node is expandable (its children: the next depth's row).
+        Conditional rows (TreeFlash): row 0 lists the root's children (exact); for positions
+        p = 1..D-1, one row per candidate previous token, the top m of position p-1's marginal row
+        (the Markov head's exact row, or the TreeFlash head's); a node whose token is not among its
+        depth's candidates is a leaf (as in ETH-DISCO/TreeFlash)."""
+        head, cfg = self.head, self.head.config
+        D, K = spec.depth, spec.k
+        B = root_B.shape[0]
+        prev, marg = root_B, []
+        for p in range(D):  # the greedy chain: D cheap steps of [B, V]
+            lq = jax.nn.log_softmax(position_logits(head, blk.base[:, p], markov_embed(head, prev)), axis=-1)
+            marg.append(lq)
+            prev = jnp.argmax(lq, axis=-1).astype(jnp.int32)
+        marg = jnp.stack(marg, axis=1)  # [B, D, V]
+        if not spec.conditional:
+            lq, tok = jax.lax.top_k(marg, K)
+            child = np.where(np.arange(D) + 1 < D, np.arange(D) + 1, -1)
+            return tok, lq, jnp.broadcast_to(jnp.asarray(child, jnp.int32)[None, :, None], (B, D, K)), np.arange(1, D + 1)
+        m, kind = spec.m, self.row_kind(spec)
+        _, cand = jax.lax.top_k(marg[:, :D - 1], m)  # [B, D-1, m]: the previous-token candidates of positions 1..D-1
+        if kind == "head":
+            first = ar_logits(head, self.target, blk.pre[:, 0], blk.hidden[:, 0], root_B)
+            rest = ar_logits(head, self.target, blk.pre[:, 1:D, None], blk.hidden[:, 1:D, None], cand)
+            first = jax.nn.log_softmax(first, axis=-1)
+        else:
+            first = marg[:, 0]
+            rest = position_logits(head, blk.base[:, 1:D, None], markov_embed(head, cand))
+        rows = jnp.concatenate([first[:, None], jax.nn.log_softmax(rest, axis=-1).reshape(B, (D - 1) * m, -1)], axis=1)
+        lq, tok = jax.lax.top_k(rows, K)  # [B, R, K], R = 1 + (D-1) m
+        pos = np.concatenate([[0], np.repeat(np.arange(1, D), m)])  # the block position of each row
+        # children of a row at position p are at position p+1: their row is the match among its candidates
+        nxt = jnp.take_along_axis(cand, jnp.asarray(np.minimum(pos, D - 2))[None, :, None], axis=1) if D > 1 else None
+        if D == 1:
+            child = jnp.full(tok.shape, -1, jnp.int32)
+        else:
+            hit = tok[..., None] == nxt[:, :, None, :]  # [B, R, K, m]
+            idx = jnp.argmax(hit, axis=-1)
+            child = jnp.where(hit.any(-1) & jnp.asarray(pos + 1 < D)[None, :, None],
+                              1 + jnp.asarray(pos)[None, :, None] * m + idx, -1).astype(jnp.int32)
+        return tok, lq, child, pos + 1
+
+    def _propose_best_first(self, state: BlockState, cache, base, h, pre, root_B, ctx: DraftContext) -> Proposal:
+        """A best-first tree (DDTree / TreeFlash, design §5e) from the one backbone pass: the tables,
+        the heap in the program; TAPS ranks by calibrated acceptance estimates and, with costs,
+        chooses the verify budget."""
+        spec = ctx.spec
+        tok, lq, child, row_depth = self.tables(BlockPass(base, h, cache, pre), root_B, spec)
+        key = lq
+        if spec.select == "taps":
+            key = self.path_calibration.log_g(self.row_kind(spec) if spec.conditional else "marginal", jnp.exp(lq),
+                                              jnp.asarray(row_depth)[None, :, None])
+        # The barrier keeps XLA from moving the tables' computation (an LM-head matmul and top-k per
+        # row) into the heap's loop, which it does when the heap keys are the log-probs themselves
+        # (measured: 54 ms a round for treeflash,nodes=16,rows=head on code-target; 7 ms with it).
+        tok, key, lq, child = jax.lax.optimization_barrier((tok, key, lq, child))
+        tree, path_key = tree_lib.best_first(root_B, tok, key, lq, child, spec.num_nodes, spec.depth)
+        active = jnp.ones((root_B.shape[0],), bool) if ctx.active is None else ctx.active
+        if spec.select == "taps" and self.costs is not None:
+            tree = dataclasses.replace(tree, valid=budget_keep(path_key, tree.valid, active, self.costs,
+                                                               self.verify_widths(spec)))
+        drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(tree.valid[:, 1:], axis=1, dtype=jnp.int32)
+        return Proposal(tree=tree, probs=None, state=dataclasses.replace(state, cache=cache, drafted=drafted))
+
     def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
         """log q(·|node) at every node of any tree [B, N, V], in one backbone pass: a node at depth d
         holding token x is followed by block position d, whose Markov logits are b_d + W2(W1[x])
         (the exact distribution this drafter would draft from there). Past the block (d >= W) q is
         uniform. The state is not changed."""
         W = self.head.config.block_size
-        base, _, _ = self.draft_block(state, tree.tokens[:, 0])
+        base = self.draft_block(state, tree.tokens[:, 0]).base
         d = jnp.clip(tree.depth, 0, W - 1)
         logits = position_logits(self.head, jnp.take_along_axis(base, d[..., None], axis=1),
                                  markov_embed(self.head, tree.tokens))
@@ -719,13 +923,39 @@ def calibrate_temperatures(conf_logits_NxW, accepted_NxW, grid=None) -> tuple[tu
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_block_head(head: BlockHead, path: str, dtype=jnp.bfloat16) -> None:
-    """`drafter_config.json` + `model.safetensors` (own parameters only, bf16 by default)."""
-    heads.save_head(head, path, "block", dtype)
+def save_block_head(head: BlockHead, path: str, dtype=jnp.bfloat16, backbone: str | None = None) -> None:
+    """`drafter_config.json` + `model.safetensors` (own parameters only, bf16 by default).
+    `backbone`: a block drafter directory holding every parameter of this head but its TreeFlash
+    head (trained on that frozen backbone): only the TreeFlash head is written, and the config
+    names the backbone (relative path) and pins its weights' digest."""
+    if backbone is None:
+        heads.save_head(head, path, "block", dtype)
+        return
+    from specjax.checkpoint import weights_sha256
+    if head.ar_head is None:
+        raise ValueError("a backbone reference stores a TreeFlash head only: this head has none")
+    check_backbone(head.config, read_config(backbone), backbone)
+    heads.save_head(head, path, "block", dtype, only=("ar_head",),
+                    extra={"backbone": os.path.relpath(os.path.abspath(backbone), os.path.abspath(path)),
+                           "backbone_sha256": weights_sha256(backbone)})
+
+
+def check_backbone(cfg: BlockConfig, backbone_cfg: BlockConfig, where: str) -> None:
+    """ValueError unless `backbone_cfg` is `cfg` without its TreeFlash head."""
+    if dataclasses.replace(cfg, ar_intermediate=0) != backbone_cfg:
+        raise ValueError(f"backbone {where}: its block drafter config differs from this TreeFlash head's backbone")
+
+
+def backbone_dir(path: str) -> str | None:
+    """The backbone directory a TreeFlash head's checkpoint refers to (None: it holds every parameter)."""
+    raw = heads.read_config(path, "block")
+    return None if raw.get("backbone") is None else os.path.normpath(os.path.join(path, raw["backbone"]))
 
 
 def read_config(path: str) -> BlockConfig:
     raw = heads.read_config(path, "block")
+    raw.pop("backbone", None)
+    raw.pop("backbone_sha256", None)
     raw["target_layers"] = tuple(raw["target_layers"])
     for key in ("state_layers", "state_shape"):
         if raw.get(key) is not None:
@@ -739,5 +969,19 @@ def read_config(path: str) -> BlockConfig:
 
 
 def load_block_head(path: str, dtype=jnp.float32) -> BlockHead:
+    """A block drafter head; a TreeFlash head stored on a backbone (`save_block_head(backbone=)`)
+    reads the backbone's parameters from there, refused when its weights' digest moved."""
     cfg = read_config(path)
-    return heads.load_params(nnx.eval_shape(lambda: BlockHead(cfg, nnx.Rngs(0), dtype)), path, dtype)
+    bdir = backbone_dir(path)
+    also = ()
+    if bdir is not None:
+        from specjax.checkpoint import weights_sha256
+        if not os.path.isdir(bdir):
+            raise ValueError(f"{path}: its backbone {bdir} is missing (a TreeFlash head stores its own parameters only)")
+        check_backbone(cfg, read_config(bdir), bdir)
+        pinned = heads.read_config(path, "block")["backbone_sha256"]
+        if weights_sha256(bdir) != pinned:
+            raise ValueError(f"{path}: its backbone {bdir} holds other weights than it was trained on "
+                             f"({pinned[:12]}…): retrain the TreeFlash head (python -m train.block)")
+        also = (bdir,)
+    return heads.load_params(nnx.eval_shape(lambda: BlockHead(cfg, nnx.Rngs(0), dtype)), path, dtype, also=also)

@@ -17,15 +17,18 @@ CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_head(head: nnx.Module, path: str, kind: str, dtype=None) -> None:
-    """Writes `head.config` and its parameters (cast to `dtype` when given, e.g. bf16)."""
+def save_head(head: nnx.Module, path: str, kind: str, dtype=None, only: tuple[str, ...] | None = None,
+              extra: dict | None = None) -> None:
+    """Writes `head.config` (and `extra` keys) and its parameters (cast to `dtype` when given, e.g.
+    bf16; `only`: the parameters under these top-level names)."""
     from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
     cast = (lambda x: x) if dtype is None else (lambda x: jnp.asarray(x, dtype))
-    tensors = {".".join(map(str, k)): np.asarray(cast(v.get_value())) for k, v in flat}
+    tensors = {".".join(map(str, k)): np.asarray(cast(v.get_value())) for k, v in flat
+               if only is None or str(k[0]) in only}
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump({"drafter": kind, **dataclasses.asdict(head.config)}, f, indent=2)
+        json.dump({"drafter": kind, **dataclasses.asdict(head.config), **(extra or {})}, f, indent=2)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
 
 
@@ -41,15 +44,19 @@ def read_config(path: str, kind: str) -> dict:
     return raw
 
 
-def load_params(head: nnx.Module, path: str, dtype) -> nnx.Module:
-    """Fills an (abstract) head with the stored parameters, checking names and shapes."""
+def load_params(head: nnx.Module, path: str, dtype, also: tuple[str, ...] = ()) -> nnx.Module:
+    """Fills an (abstract) head with the stored parameters, checking names and shapes (`also`:
+    further directories whose tensors fill what `path` does not hold, e.g. a TreeFlash head's backbone)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     file = os.path.join(path, WEIGHTS_FILE)
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{file}: corrupt safetensors file ({e})") from None
+    tensors = {}
+    for d in also + (path,):
+        f = os.path.join(d, WEIGHTS_FILE)
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{f}: corrupt safetensors file ({e})") from None
     flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
     for key, var in flat.items():
         name = ".".join(map(str, key))
