@@ -160,7 +160,7 @@ Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not her
 
 ## Reproduce
 ```
-{command}{calib_cmd}
+{command}
 python -m train.model_card --model models/{name}
 ```
 """
