@@ -128,3 +128,16 @@ def llama(tiny_models) -> Tiny:
 @pytest.fixture(scope="session")
 def qwen3(tiny_models) -> Tiny:
     return tiny_models["qwen3"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_executables():
+    """Frees each test module's compiled programs when it ends: XLA:CPU maps every executable in
+    many pieces, and one worker's programs over the whole suite reached the kernel's map limit
+    (vm.max_map_count, 65530: a segfault while compiling). Programs shared within a module stay."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
