@@ -160,3 +160,17 @@ def train_block_on_own_outputs(target, head, tc, anchors_fn, steps: int, seed: i
     for i in range(steps):
         params, opt = step(params, opt, jax.random.key(i))
     return nnx.merge(gdef, params), data
+
+
+def assert_first_two_follow(first, second, n, p0, p1, V: int, min_rows: int = 2000):
+    """The first two emitted tokens of many rounds follow the target: the first token over all
+    rows against softmax(p0), the second given each first token x against softmax(p1[x]) where at
+    least `min_rows` rows accepted x (chi-square at 1e-6). `n`: accepted draft tokens per row."""
+    soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)  # noqa: E731
+    stat, df, crit = chi_square(np.bincount(first, minlength=V), soft(np.asarray(p0)))
+    assert stat <= crit, f"first token: chi2 {stat:.1f} > {crit:.1f} (df {df})"
+    for x1 in range(V):
+        sel = (n >= 1) & (first == x1)
+        if sel.sum() >= min_rows:
+            stat, df, crit = chi_square(np.bincount(second[sel], minlength=V), soft(np.asarray(p1[x1])))
+            assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"

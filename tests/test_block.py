@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import chi_square, tiny_target, train_block_on_own_outputs
+from helpers import assert_first_two_follow, chi_square, tiny_target, train_block_on_own_outputs
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -292,13 +292,7 @@ def test_sampled_rule_with_markov_sampling_is_lossless():
         return np.where(n >= 1, t[:, 0], b), np.where(n >= 2, t[:, 1], b), n
 
     first, second, n = first_two(prop.probs)
-    stat, df, crit = chi_square(np.bincount(first, minlength=SV), soft(p0))
-    assert stat <= crit, f"first token: chi2 {stat:.1f} > {crit:.1f} (df {df})"
-    for x1 in range(SV):
-        sel = (n >= 1) & (first == x1)
-        if sel.sum() >= 2000:
-            stat, df, crit = chi_square(np.bincount(second[sel], minlength=SV), soft(p1[x1]))
-            assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
+    assert_first_two_follow(first, second, n, p0, p1, SV)
     assert 0.1 < (n >= 1).mean() < 0.95 and (n >= 2).mean() > 0.02  # both depths accept and reject
     # the planted bug: q without the Markov term
     base = jax.jit(d.draft_block)(state, roots).base

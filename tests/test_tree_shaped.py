@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import chi_square, tiny_target, train_block_on_own_outputs
+from helpers import assert_first_two_follow, chi_square, tiny_target, train_block_on_own_outputs
 from specjax import engine, tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -257,13 +257,7 @@ def test_deterministic_rule_on_a_best_first_tree_is_lossless():
         tree, jnp.broadcast_to(jnp.asarray(logits), (ROWS,) + logits.shape), jax.random.key(9))
     n, t, b = (np.asarray(x) for x in (vd.num_accepted, vd.tokens, vd.bonus))
     first, second = np.where(n >= 1, t[:, 0], b), np.where(n >= 2, t[:, 1], b)
-    stat, df, crit = chi_square(np.bincount(first, minlength=SV), soft(p0))
-    assert stat <= crit, f"first token: chi2 {stat:.1f} > {crit:.1f} (df {df})"
-    for x1 in range(SV):
-        sel = (n >= 1) & (first == x1)
-        if sel.sum() >= 2000:
-            stat, df, crit = chi_square(np.bincount(second[sel], minlength=SV), soft(p1[x1]))
-            assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
+    assert_first_two_follow(first, second, n, p0, p1, SV)
     assert 0.1 < (n >= 1).mean() < 0.95
     bug = np.asarray(jax.random.categorical(jax.random.key(5), jnp.asarray(p0, jnp.float32), shape=(ROWS,)))
     stat, _, crit = chi_square(np.bincount(np.where(n >= 1, first, bug), minlength=SV), soft(p0))
