@@ -174,3 +174,25 @@ def assert_first_two_follow(first, second, n, p0, p1, V: int, min_rows: int = 20
         if sel.sum() >= min_rows:
             stat, df, crit = chi_square(np.bincount(second[sel], minlength=V), soft(np.asarray(p1[x1])))
             assert stat <= crit, f"second | first={x1}: chi2 {stat:.1f} > {crit:.1f}"
+
+
+def spread_target(vocab: int = 8, seed: int = 4):
+    """A tiny dense target whose next-token distributions spread (O(1) logits): the sampling tests'."""
+    from specjax.models import transformer
+    from specjax.models.config import ModelConfig
+    tcfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    target = transformer.init_model(tcfg, seed=seed)
+    target.embed_tokens.set_value(target.embed_tokens.get_value() * 40)
+    return target
+
+
+def prefilled_state(drafter, target, prompt, capacity: int = 16):
+    """The drafter's state after a prefill of one prompt (batch 1)."""
+    import jax.numpy as jnp
+
+    from specjax.models import family
+    fam = family(target)
+    toks, n = jnp.asarray([prompt]), jnp.asarray([len(prompt)])
+    pre = fam.prefill(target, toks, n, fam.init_cache(target, 1, capacity), hidden_layers=tuple(drafter.target_layers))
+    return drafter.init(toks, n, capacity, pre)

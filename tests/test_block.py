@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import assert_first_two_follow, chi_square, tiny_target, train_block_on_own_outputs
+from helpers import (assert_first_two_follow, chi_square, prefilled_state, spread_target, tiny_target,
+                     train_block_on_own_outputs)
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -250,13 +251,8 @@ def test_sampled_rule_with_markov_sampling_is_lossless():
     """100k rows draft a 2-chain by sampling through the Markov head from q; the sampled rule's
     first two emitted tokens follow the target exactly. The planted bug: the drafter reports its
     base distribution b_k as q (without the Markov term it sampled with): rejected."""
-    from specjax.models import transformer
-    from specjax.models.config import ModelConfig
-    tcfg = ModelConfig(vocab_size=SV, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=16, max_position_embeddings=64)
-    target = transformer.init_model(tcfg, seed=4)
-    target.embed_tokens.set_value(target.embed_tokens.get_value() * 40)  # O(1) logits: a spread distribution
-    cfg = BlockConfig.for_target(tcfg, block_size=3, num_layers=1, markov_rank=4)
+    target = spread_target(SV)
+    cfg = BlockConfig.for_target(target.config, block_size=3, num_layers=1, markov_rank=4)
     head = BlockHead(cfg, nnx.Rngs(2))
     rng = np.random.default_rng(0)
     head.markov_out.set_value(jnp.asarray(rng.normal(size=(4, SV)) * 1.5, jnp.float32))
@@ -264,9 +260,7 @@ def test_sampled_rule_with_markov_sampling_is_lossless():
     d = BlockDrafter(head, target)
     prompt, root = [1, 5, 2], 3
     fam = family(target)
-    pre = fam.prefill(target, jnp.asarray([prompt]), jnp.asarray([3]), fam.init_cache(target, 1, 16),
-                      hidden_layers=cfg.target_layers)
-    st1 = d.init(jnp.asarray([prompt]), jnp.asarray([3]), 16, pre)
+    st1 = prefilled_state(d, target, prompt)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:]), st1)
     spec = parse_tree_spec("chain=2")
     params = SamplingParams.make(1.0)

@@ -23,7 +23,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import assert_first_two_follow, chi_square, tiny_target, train_block_on_own_outputs
+from helpers import (assert_first_two_follow, chi_square, prefilled_state, spread_target, tiny_target,
+                     train_block_on_own_outputs)
 from specjax import engine, tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -220,21 +221,14 @@ def test_deterministic_rule_on_a_best_first_tree_is_lossless():
     deterministic-candidates rule's first two emitted tokens follow the target over 1e5 rounds.
     The planted bug: the bonus drawn from p instead of the residual after the root's children are
     rejected: caught."""
-    from specjax.models import transformer
-    from specjax.models.config import ModelConfig
-    tcfg = ModelConfig(vocab_size=SV, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=16, max_position_embeddings=64)
-    target = transformer.init_model(tcfg, seed=4)
-    target.embed_tokens.set_value(target.embed_tokens.get_value() * 40)
-    cfg = BlockConfig.for_target(tcfg, block_size=3, num_layers=1, markov_rank=4, ar_intermediate=8)
+    target = spread_target(SV)
+    cfg = BlockConfig.for_target(target.config, block_size=3, num_layers=1, markov_rank=4, ar_intermediate=8)
     head = BlockHead(cfg, nnx.Rngs(2))
     head.ar_head.down.weight.set_value(jax.random.normal(jax.random.key(3), head.ar_head.down.weight.shape))
     d = BlockDrafter(head, target)
     prompt, root = [1, 5, 2], 3
     fam = family(target)
-    pre = fam.prefill(target, jnp.asarray([prompt]), jnp.asarray([3]), fam.init_cache(target, 1, 16),
-                      hidden_layers=cfg.target_layers)
-    st = d.init(jnp.asarray([prompt]), jnp.asarray([3]), 16, pre)
+    st = prefilled_state(d, target, prompt)
     spec = d.resolve_tree(T.parse_tree_spec("treeflash,nodes=7,m=2,k=3,rows=head"))
     prop = d.propose(st, jnp.asarray([root]), DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0)))
     tree1 = prop.tree
