@@ -31,6 +31,8 @@ models: install
 	$(BIN)/python -m train.block --config configs/code-target-dspark.json --run-dir runs/code-target-dspark --export models/code-target-dspark
 	$(BIN)/python -m train.block --config configs/code-target-treeflash.json --run-dir runs/code-target-treeflash --export models/code-target-treeflash
 	$(BIN)/python -m train.path_calibration --target models/code-target --drafter models/code-target-treeflash
+	$(BIN)/python -m train.adaptive_calibration --target models/code-target --drafter models/code-draft --tree chain=6 --tree depth=5,topk=4,nodes=16
+	$(BIN)/python -m train.adaptive_calibration --target models/code-target --drafter models/code-target-dspark --tree chain=8 --tree depth=6,topk=4,nodes=16
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-dspark.json --run-dir runs/code-target-hybrid-dspark --export models/code-target-hybrid-dspark
 	$(BIN)/python -m train.block --config configs/code-target-dflash.json --run-dir runs/code-target-dflash --export models/code-target-dflash
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-dflash.json --run-dir runs/code-target-hybrid-dflash --export models/code-target-hybrid-dflash

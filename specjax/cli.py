@@ -85,8 +85,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', a JSON path list "
                         "'[[0],[1],[0,0]]' (default chain=4), or a block drafter's best-first tree "
                         "'ddtree,nodes=N' / 'treeflash,nodes=N[,m=M,k=K,rows=markov|head,select=taps]'")
-    p.add_argument("--verify", default=None, choices=["greedy", "deterministic", "sampled", "sampled_noreplace"],
-                   help="verification rule (default: greedy at temperature 0, deterministic otherwise)")
+    p.add_argument("--verify", default=None, choices=["greedy", "deterministic", "sampled", "sampled_noreplace", "margin"],
+                   help="verification rule (default: greedy at temperature 0, deterministic otherwise); 'margin' is "
+                        "AdaptiveSpec's LOSSY rule (with --margin): a draft token within the margin of the target's "
+                        "best logit is accepted, so the output is no longer the target's own")
+    p.add_argument("--margin", type=float, default=None, metavar="DELTA",
+                   help="with --verify margin: the logit gap (>= 0) under which a draft token is accepted (0: lossless)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="AdaptiveSpec's adaptive tree shape (lossless): the drafter drafts --tree, and each round the "
+                        "target verifies the best-scored nodes up to the compiled width that maximises expected tokens "
+                        "per second (--verify-profile from `tools/profile_widths.py --adaptive`)")
     p.add_argument("--confidence", default="off", metavar="THRESHOLD|schedule|off",
                    help="a block drafter's (DSpark's) confidence cut, lossless under every rule: 'off' (default) "
                         "verifies the whole chain or tree; a threshold in (0, 1) stops each row's draft before its first "
@@ -251,6 +259,8 @@ def run_generate(args: argparse.Namespace) -> int:
                          "add --treegraft SCHEDULER_DIR|always|never")
     elif args.cheap_tree is not None or args.graft_nodes is not None:
         raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
+    if args.adaptive:
+        drafters = [adaptive_drafter(args, drafters, len(sources))]
 
     prompts = [s for _, s in sources]
     ids = [tokenizer.encode(s).ids for s in prompts]
@@ -266,8 +276,16 @@ def run_generate(args: argparse.Namespace) -> int:
     eos = () if args.ignore_eos else None  # None: the model config's eos_token_id
     eos_ids = set() if args.ignore_eos else set(cfg.eos_ids)
     kwargs = dict(generate_kwargs(args), eos_token_id=eos)
+    if args.margin is not None and args.verify != "margin":
+        raise UsageError("--margin is read by --verify margin only")
     if drafters:
         kwargs.update(drafters=drafters, tree=args.tree, verify=args.verify)
+        if args.verify == "margin":
+            if args.margin is None:
+                raise UsageError("--verify margin needs --margin DELTA (a logit gap >= 0)")
+            kwargs["margin"] = args.margin
+            print(f"warning: --verify margin (delta {args.margin:g}) is lossy: the output is not the target's own "
+                  "(AdaptiveSpec's margin rule; see tools/bench_adaptive.py for its divergence)", file=sys.stderr)
     elif args.tree is not None or args.verify is not None:
         raise UsageError("--tree and --verify need a --drafter")
     try:
@@ -298,6 +316,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "tokens": s,
                 "text": tokenizer.decode(s),
                 "finish_reason": "eos" if s and s[-1] in eos_ids else "length",
+                "lossless": bool(result.lossless),
                 "batch_size": len(seqs),
                 "ms_per_token": round(ms_per_token, 3),
                 "compile_s": round(compile_s, 4),
@@ -367,7 +386,10 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
         except ValueError as e:
             raise UsageError(f"--verify-profile {args.verify_profile}: {e}") from None
     if conf != "schedule" and args.verify_profile is not None:
-        raise UsageError("--verify-profile is read only with --confidence schedule or a --tree with select=taps")
+        if not args.adaptive:
+            raise UsageError("--verify-profile is read only with --confidence schedule, --adaptive or a --tree with "
+                             "select=taps")
+        return conf if conf == "off" else _parse_conf(conf), None
     if conf == "off":
         return "off", None
     if not args.drafter:
@@ -414,6 +436,46 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
     except ValueError as e:
         raise UsageError(f"--verify-profile {path}: {e}") from None
     return "schedule", costs
+
+
+def _parse_conf(conf: str):
+    from specjax.drafters.block import parse_confidence
+    try:
+        return parse_confidence(conf)
+    except ValueError as e:
+        raise UsageError(f"--confidence: {e}") from None
+
+
+def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
+    """--adaptive: the one drafter wrapped in `AdaptiveShape`, its costs from --verify-profile at the
+    widths of the resolved --tree (`specjax.adaptive.adaptive_widths`), with the drafter directory's
+    `adaptive_calibration.json` when it has one."""
+    from specjax import profile as profile_lib, tree as tree_lib
+    from specjax.adaptive import AdaptiveShape, adaptive_widths, read_calibration
+    if len(drafters) != 1:
+        raise UsageError("--adaptive shapes one drafter's tree: pass exactly one --drafter")
+    d = drafters[0]
+    try:
+        spec = d.resolve_tree(tree_lib.parse_tree_spec(d.default_tree if args.tree is None else args.tree))
+    except ValueError as e:
+        raise UsageError(f"--tree {args.tree}: {e}") from None
+    widths = adaptive_widths(spec.num_nodes)
+    tree = args.tree or d.default_tree
+    make = (f"python tools/profile_widths.py --adaptive --target {args.model} --drafter {args.drafter[0]} "
+            f"--batch {n_prompts} --tree '{tree}'")
+    path = args.verify_profile
+    if path is None:
+        raise UsageError(f"--adaptive needs this machine's verify-width cost profile: make one with `{make}` and pass "
+                         "--verify-profile FILE")
+    try:
+        profile = profile_lib.load_profile(path)
+        costs = profile_lib.costs_at_widths(profile, n_prompts, widths)
+        row = profile["rows"][str(profile_lib.profile_batch(profile, n_prompts))]
+        step = float(row["draft_s"]) / spec.max_depth if "draft_s" in row else None  # a chain may stop early
+        cal = read_calibration(args.drafter[0]) if os.path.isdir(args.drafter[0]) else None
+        return AdaptiveShape(d, costs, calibration=cal, draft_step_s=step)
+    except ValueError as e:
+        raise UsageError(f"--adaptive: {e} (make a profile with `{make}`)") from None
 
 
 def find_verify_profile(model_path: str) -> str | None:

@@ -39,6 +39,8 @@ class GenerationResult:
     tokens: np.ndarray  # int32 [B, max_new_tokens]; entries past `lengths` are padding
     lengths: np.ndarray  # int32 [B]: generated tokens per row, an EOS included
     stats: dict = dataclasses.field(default_factory=dict)
+    # False when a lossy rule (verify="margin") produced the tokens: they are not the target's own
+    lossless: bool = True
 
     def sequences(self) -> list[list[int]]:
         return [self.tokens[b, : self.lengths[b]].tolist() for b in range(len(self.lengths))]
@@ -108,26 +110,28 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
              capacity: int | None = None, drafters: Sequence = (), tree=None,
-             verify: str | None = None, state_budget_bytes: int | None = None) -> GenerationResult:
+             verify: str | None = None, margin: float | None = None,
+             state_budget_bytes: int | None = None) -> GenerationResult:
     """Generation of a ragged batch of token-id prompts, autoregressive or speculative.
 
     temperature == 0 is greedy. `eos_token_id` defaults to the model config's; a row stops at
     its first EOS (which is kept in its output). `capacity` (default: just enough) sizes the KV cache.
     With `drafters`, each round drafts a tree (`tree`: a spec string, path list or TreeSpec) and
     verifies it with `verify` ("greedy" at temperature 0; "deterministic" — the default when
-    sampling —, "sampled" or "sampled_noreplace").
+    sampling —, "sampled" or "sampled_noreplace"); verify="margin" with `margin=δ` is AdaptiveSpec's
+    lossy margin rule (opt-in, never a default; the result says `lossless=False`; see `specjax.verify`).
     A recurrent (hybrid) target verifies a tree with a per-node state buffer; `state_budget_bytes`
     bounds it (see `check_state_budget`; default: the larger of 1 GiB and the committed cache).
     """
     sampling.validate(temperature, top_k, top_p)
     eos = _eos_array(model, eos_token_id)
     if drafters:
-        return _generate_speculative(model, prompts, list(drafters), tree, verify, eos,
+        return _generate_speculative(model, prompts, list(drafters), tree, verify, eos, margin=margin,
                                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, capacity=capacity,
                                      state_budget_bytes=state_budget_bytes)
-    if tree is not None or verify is not None:
-        raise ValueError("tree= and verify= need at least one drafter")
+    if tree is not None or verify is not None or margin is not None:
+        raise ValueError("tree=, verify= and margin= need at least one drafter")
     batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
     graphdef, state = nnx.split(model)
     tokens, lengths = _generate_ar(graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
@@ -189,6 +193,8 @@ DEFAULT_TREE = "chain=4"  # = Drafter.default_tree; a drafter may say otherwise 
 def resolve_rule(verify: str | None, temperature: float) -> str:
     if verify is not None and verify not in verify_lib.RULES:
         raise ValueError(f"unknown verification rule {verify!r}; choose from {', '.join(verify_lib.RULES)}")
+    if verify == "margin":  # lossy, at any temperature (greedy margin at 0, relaxed deterministic above)
+        return "margin"
     if temperature == 0:
         if verify not in (None, "greedy"):
             raise ValueError(f"verify={verify!r} samples; it needs temperature > 0 (temperature 0 is greedy)")
@@ -196,6 +202,24 @@ def resolve_rule(verify: str | None, temperature: float) -> str:
     if verify == "greedy":
         raise ValueError("verify='greedy' needs temperature 0")
     return verify or "deterministic"
+
+
+def check_margin(rule: str, margin) -> float:
+    """δ for the margin rule (ValueError unless a finite number >= 0); 0.0 for the lossless rules,
+    which take none."""
+    if rule != "margin":
+        if margin is not None:
+            raise ValueError(f"margin= is read by verify='margin' only (the lossy rule), not {rule!r}")
+        return 0.0
+    if margin is None:
+        raise ValueError("verify='margin' needs margin=δ (a logit gap >= 0; 0 is the lossless rule)")
+    try:
+        m = float(margin)
+    except (TypeError, ValueError):
+        raise ValueError(f"margin must be a number >= 0, got {margin!r}") from None
+    if not math.isfinite(m) or m < 0:
+        raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+    return m
 
 
 def check_state_budget(model, batch: int, num_nodes: int, capacity: int, state_budget_bytes: int | None = None) -> int:
@@ -247,7 +271,8 @@ def check_verify_widths(widths, spec) -> tuple[int, ...]:
 
 
 def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
-                          temperature, top_k, top_p, seed, capacity, state_budget_bytes=None) -> GenerationResult:
+                          temperature, top_k, top_p, seed, capacity, margin=None,
+                          state_budget_bytes=None) -> GenerationResult:
     if len(drafters) > 1:
         raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
                          "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
@@ -261,6 +286,7 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
                          "a drafter must share the target's tokenizer")
     spec = drafter.resolve_tree(tree_lib.parse_tree_spec(drafter.default_tree if tree is None else tree))
     rule = resolve_rule(verify, temperature)
+    delta = check_margin(rule, margin)
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
     # The drafter refuses what it cannot draft (e.g. sampled rules without q) and says what scratch it needs.
     scratch = drafter.check_tree(spec, rule)
@@ -276,13 +302,14 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     tokens, lengths, stats = _generate_spec(
         graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
         SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos),
-        capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec, mode=mode)
+        jnp.float32(delta), capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec,
+        mode=mode, greedy=temperature == 0)
     stats = {k: np.asarray(v) for k, v in stats.items()}
     rounds = np.maximum(stats["rounds"], 1)
     stats["tau"] = 1.0 + stats["accepted"] / rounds
     stats["depth_acceptance"] = stats["accepted_at_depth"] / rounds[:, None]
     stats["mean_verify_width"] = stats["verified_nodes"] / rounds
-    return GenerationResult(np.asarray(tokens), np.asarray(lengths), stats)
+    return GenerationResult(np.asarray(tokens), np.asarray(lengths), stats, lossless=verify_lib.LOSSLESS[rule])
 
 
 def _write_rows(buf_BxT, new_BxK, start_B):
@@ -342,7 +369,7 @@ def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, ke
                           hidden_layers=tuple(drafter.target_layers))
         root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     with jax.named_scope("draft_init"):
-        dstate = drafter.init(prompt_BxP, lengths_B, capacity, out)
+        dstate = drafter.prepare(drafter.init(prompt_BxP, lengths_B, capacity, out), spec)
     return LoopCarry(r=jnp.int32(1), root=root_B, cache=out.cache,
                      dstate=dstate,
                      done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
@@ -351,13 +378,14 @@ def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, ke
 
 
 def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
-               rule: str, spec, mode: str) -> tuple[LoopCarry, RoundOutput]:
+               rule: str, spec, mode: str, margin=0.0, greedy: bool | None = None) -> tuple[LoopCarry, RoundOutput]:
     """One round: draft a tree, verify it in one target forward, commit the accepted path in the
     target and the drafter, emit accepted + bonus tokens (cut at EOS and max_new_tokens).
 
     The body of the generation loop, and (jitted alone) the single round that TreeGraft's value
     system steps from the host. A drafter with several `verify_widths` has the target verify only
-    the smallest compiled width that holds every active row's last valid node (`lax.switch`)."""
+    the smallest compiled width that holds every active row's last valid node (`lax.switch`).
+    `margin` / `greedy` (default: rule == "greedy"): the lossy margin rule's δ and temperature-0 flag."""
     M, D = max_new_tokens, spec.max_depth
     layers = tuple(drafter.target_layers)
     fam = family(model)
@@ -379,7 +407,8 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
                                                                          layers)
     with jax.named_scope("verify_walk"):
         vd = verify_lib.verify(tree, logits, k_verify, rule=rule, max_depth=D, params=params,
-                               draft_probs_BxNxV=prop.probs)
+                               draft_probs_BxNxV=prop.probs, margin=margin,
+                               greedy=rule == "greedy" if greedy is None else greedy)
     keep_B = jnp.where(active, vd.num_accepted + 1, 0)  # finished rows stand still
     with jax.named_scope("commit"):
         features = None
@@ -456,19 +485,19 @@ def _verify_forward_switch(model, fam, tree: tree_lib.TreeBuffers, cache, active
     return logits, hidden, tcache, width, tree
 
 
-@jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode"))
-def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, *,
-                   capacity: int, max_new_tokens: int, rule: str, spec, mode: str):
+@jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode", "greedy"))
+def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, margin, *,
+                   capacity: int, max_new_tokens: int, rule: str, spec, mode: str, greedy: bool):
     global _trace_count
     _trace_count += 1
     model, drafter = nnx.merge(graphdef, state)
     M, D = max_new_tokens, spec.max_depth
     carry = spec_start(model, drafter, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
-                       max_new_tokens=M, spec=spec, greedy=rule == "greedy")
+                       max_new_tokens=M, spec=spec, greedy=greedy)
     carry = jax.lax.while_loop(
         lambda c: ~jnp.all(c.done),
         lambda c: spec_round(model, drafter, c, params, key, eos_E, max_new_tokens=M, rule=rule, spec=spec,
-                             mode=mode)[0],
+                             mode=mode, margin=margin, greedy=greedy)[0],
         carry)
     stats = {**carry.stats.as_dict(), **drafter.loop_stats(carry.dstate)}  # plus a drafter's own counters
     buf = jnp.where(jnp.arange(M + D + 1)[None] < carry.n_out[:, None], carry.buf, 0)[:, :M]

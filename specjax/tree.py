@@ -324,7 +324,7 @@ def _children_tokens(key, logq_BxFxV, count: int, mode: str):
     return tok.astype(jnp.int32)
 
 
-def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", source: int = 0):
+def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", source: int = 0, stop=None):
     """Builds a draft tree depth by depth.
 
     `evaluate(state, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF) -> (logq_BxFxV, state)`
@@ -335,13 +335,17 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
     except in a tree of depth >= `LOOP_MIN_DEPTH` that is a chain or dynamic: its depths past the
     root run in one `fori_loop`, where they are traced int32 scalars (>= 1) and the mask spans every
     slot the expansion evaluates (N for a chain, 1 + (D-1)·topk for a dynamic tree; the slots after
-    a node are not visible). Returns
+    a node are not visible). `stop(d, score_BxN) -> bool []` (chains of depth >= LOOP_MIN_DEPTH
+    only; others draft whole): after the d-th token the chain stops if it says so, the nodes past
+    d invalid and their steps not run (a `while_loop`). Returns
     (TreeBuffers [B, N], draft probabilities q at each node [B, N, V] or None, state).
     """
     if isinstance(spec, BestFirstTree):
         raise ValueError("a best-first tree (ddtree / treeflash) is drafted from per-depth tables "
                          "(`tree.best_first`), by a drafter that gives them: a block drafter")
     if isinstance(spec, StaticTree):
+        if stop is not None and spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= LOOP_MIN_DEPTH:
+            return _expand_chain(spec, root_B, evaluate, state, key, mode, source, stop)
         return _expand_static(spec, root_B, evaluate, state, key, mode, source)
     if mode != "topk":
         raise ValueError("a dynamic tree ranks candidates by score: sampled candidates need a static tree")
@@ -354,11 +358,13 @@ LOOP_MIN_DEPTH = 3  # chains and dynamic trees this deep expand their depths pas
 # (shallower ones would compile as many drafter steps either way; the unrolled forms stay for them)
 
 
-def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
+def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source, stop=None):
     """A chain (one node per depth): the root evaluated once, then depths 1 .. D-1 in one
     `fori_loop`, so the drafter's step is traced, lowered and compiled twice instead of D times.
     Inside the loop `depth` and `offset` are traced int32 scalars and every node's mask covers all
-    N scratch slots (the slots after it are not visible). Same tree and q as the unrolled form."""
+    N scratch slots (the slots after it are not visible). Same tree and q as the unrolled form.
+    With `stop`, a `while_loop` that ends once `stop(d, score)` holds after the d-th token (the
+    undrafted nodes keep score -inf: invalid)."""
     N, D, B = spec.num_nodes, spec.max_depth, root_B.shape[0]
 
     def pick(logq_BxV, d):
@@ -368,7 +374,7 @@ def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
     logq, state = evaluate(state, root_B[:, None], 0, 0, jnp.ones((B, 1, 1), bool), jnp.full((B, 1), -1, jnp.int32))
     tok, lq = pick(logq[:, 0], 0)
     tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(root_B).at[:, 1].set(tok)
-    score = jnp.zeros((B, N), jnp.float32).at[:, 1].set(lq)
+    score = jnp.full((B, N), 0.0 if stop is None else -jnp.inf, jnp.float32).at[:, 0].set(0.0).at[:, 1].set(lq)
     probs = jnp.zeros((B, N, logq.shape[-1]), jnp.float32).at[:, 0].set(jnp.exp(logq[:, 0]))
 
     def body(d, carry):
@@ -383,7 +389,15 @@ def _expand_chain(spec: StaticTree, root_B, evaluate, state, key, mode, source):
         probs = jax.lax.dynamic_update_slice_in_dim(probs, jnp.exp(logq).astype(probs.dtype), d, axis=1)
         return tokens, score, probs, state
 
-    tokens, score, probs, state = jax.lax.fori_loop(1, D, body, (tokens, score, probs, state))
+    if stop is None:
+        tokens, score, probs, state = jax.lax.fori_loop(1, D, body, (tokens, score, probs, state))
+    else:
+        def cond(carry):
+            d, _, score, _, _ = carry
+            return (d < D) & ~stop(d, score)
+
+        _, tokens, score, probs, state = jax.lax.while_loop(
+            cond, lambda c: (c[0] + 1,) + body(c[0], c[1:]), (jnp.int32(1), tokens, score, probs, state))
     return _static_buffers(spec, tokens, score, source), probs, state
 
 

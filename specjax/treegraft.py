@@ -206,6 +206,10 @@ class TreeGraft(Drafter):
                              "TreeGraft's cheap drafter (the first one)")
         if isinstance(cheap, TreeGraft) or isinstance(strong, TreeGraft):
             raise ValueError("TreeGraft combines two plain drafters (cheap, strong), not another TreeGraft")
+        for d in (cheap, strong):
+            if type(d).prepare is not Drafter.prepare:  # e.g. the adaptive shape, a composite itself
+                raise ValueError(f"TreeGraft combines drafters whose state needs no per-tree sizing; the {d.name!r} "
+                                 "drafter has its own prepare hook (wrap the plain drafter instead)")
         vc, vs = cheap.vocab_size, strong.vocab_size
         if vc is not None and vs is not None and vc != vs:
             raise ValueError(f"TreeGraft drafters must share one vocabulary: the cheap {cheap.name!r} drafter has "

@@ -10,6 +10,14 @@ c1..ck of u are visited in node order with a residual r (initially p):
 - greedy: p is one-hot at argmax, so the deterministic rule accepts exactly the argmax child.
 If no child is accepted, the bonus token is drawn from the final r (argmax for greedy); if the
 walk reaches a leaf, from p at that leaf. The output distribution is exactly p at every step.
+
+One rule is lossy, opt-in and never a default (AdaptiveSpec's margin verification, `margin=δ`):
+- margin, greedy: at u, a child is accepted if its token is the target's argmax or its target logit
+  is within δ of the argmax's: logit(argmax) − logit(c) ≤ δ (of several, the highest logit); the
+  bonus is the argmax at the last accepted node. δ = 0 is the greedy rule.
+- margin, temperature > 0: the deterministic-candidates walk with the acceptance probability
+  relaxed to min(1, e^δ · r(c)/Σr) (residual updates unchanged). δ = 0 is the deterministic rule.
+The output then differs from the target's; `LOSSLESS` says which rules keep it.
 """
 from __future__ import annotations
 
@@ -24,8 +32,9 @@ from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers
 from specjax.typing import Array, Float, Int
 
-Rule = Literal["greedy", "deterministic", "sampled", "sampled_noreplace"]
-RULES = ("greedy", "deterministic", "sampled", "sampled_noreplace")
+Rule = Literal["greedy", "deterministic", "sampled", "sampled_noreplace", "margin"]
+RULES = ("greedy", "deterministic", "sampled", "sampled_noreplace", "margin")
+LOSSLESS = {"greedy": True, "deterministic": True, "sampled": True, "sampled_noreplace": True, "margin": False}
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +57,9 @@ def _normalise(x):
     return jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), x)
 
 
-def _walk_row(tokens_N, parents_N, valid_N, p_NxV, q_NxV, key, *, max_depth: int, rule: Rule):
+def _walk_row(tokens_N, parents_N, valid_N, p_NxV, q_NxV, key, *, max_depth: int, rule: Rule, relax=1.0):
+    """`relax` (e^δ, the margin rule at temperature > 0; 1 is lossless) scales the deterministic
+    rule's acceptance probability."""
     N = tokens_N.shape[0]
     sampled = rule in ("sampled", "sampled_noreplace")
 
@@ -64,7 +75,7 @@ def _walk_row(tokens_N, parents_N, valid_N, p_NxV, q_NxV, key, *, max_depth: int
             if sampled:
                 prob = jnp.where(q[t] > 0, jnp.minimum(1.0, r[t] / jnp.where(q[t] > 0, q[t], 1.0)), 0.0)
             else:
-                prob = r[t] / jnp.maximum(jnp.sum(r), 1e-30)
+                prob = jnp.minimum(1.0, relax * r[t] / jnp.maximum(jnp.sum(r), 1e-30))
             u01 = jax.random.uniform(jax.random.fold_in(key, j))
             accept = is_child & (u01 < prob)
             reject = is_child & ~accept
@@ -124,12 +135,38 @@ def _walk_greedy_row(tokens_N, parents_N, valid_N, argmax_N, *, max_depth: int):
     return path, n, argmax_N[cur]
 
 
+def _walk_margin_row(tokens_N, parents_N, valid_N, argmax_N, gap_N, margin, *, max_depth: int):
+    """The greedy margin rule (lossy): follow the child with the highest target logit among those
+    within `margin` of the argmax at its parent (`gap_N`: logit(argmax at parent) - logit(token))."""
+    N = tokens_N.shape[0]
+    not_root = jnp.arange(N) > 0
+    ok_N = valid_N & not_root & ((gap_N <= margin) | (tokens_N == argmax_N[jnp.maximum(parents_N, 0)]))
+
+    def step(d, st):
+        cur, going, path, n = st
+        match = ok_N & (parents_N == cur)
+        moved = going & jnp.any(match)
+        best = jnp.argmin(jnp.where(match, gap_N, jnp.inf)).astype(jnp.int32)
+        cur = jnp.where(moved, best, cur)
+        return cur, moved, path.at[d + 1].set(cur), n + moved.astype(jnp.int32)
+
+    init = (jnp.int32(0), jnp.bool_(True), jnp.zeros((max_depth + 1,), jnp.int32), jnp.int32(0))
+    cur, _, path, n = jax.lax.fori_loop(0, max_depth, step, init)
+    return path, n, argmax_N[cur]
+
+
 def verify(tree: TreeBuffers, target_logits_BxNxV, key, *, rule: Rule, max_depth: int,
-           params: SamplingParams | None = None, draft_probs_BxNxV=None) -> Verdict:
+           params: SamplingParams | None = None, draft_probs_BxNxV=None, margin=0.0, greedy: bool | None = None) -> Verdict:
     """Runs the rule on every row. `draft_probs` (q at each node, the distribution its children
-    were drawn from) is required by the sampled-candidate rules only."""
+    were drawn from) is required by the sampled-candidate rules only. `margin` (δ >= 0, traced) and
+    `greedy` (temperature 0 or not, static) are read by the lossy "margin" rule only."""
     if rule not in RULES:
         raise ValueError(f"unknown verification rule {rule!r}; choose from {', '.join(RULES)}")
+    if rule == "margin":
+        if greedy is None:
+            raise ValueError("rule 'margin' needs greedy= (temperature 0 or not)")
+        return _verify_margin(tree, target_logits_BxNxV, key, max_depth=max_depth, params=params, margin=margin,
+                              greedy=greedy)
     greedy = rule == "greedy"
     if not greedy and params is None:
         raise ValueError(f"rule {rule!r} needs sampling params (temperature, top_k, top_p)")
@@ -146,6 +183,29 @@ def verify(tree: TreeBuffers, target_logits_BxNxV, key, *, rule: Rule, max_depth
         keys = jax.random.split(key, tree.tokens.shape[0])
         walk = jax.vmap(lambda t, par, v, p, q, k: _walk_row(t, par, v, p, q, k, max_depth=max_depth, rule=rule))
         path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, p, q, keys)
+    toks = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)
+    toks = jnp.where(jnp.arange(max_depth)[None] < n[:, None], toks, 0)
+    return Verdict(path=path, num_accepted=n, bonus=bonus, tokens=toks)
+
+
+def _verify_margin(tree: TreeBuffers, logits_BxNxV, key, *, max_depth: int, params, margin, greedy: bool) -> Verdict:
+    """AdaptiveSpec's margin verification (lossy; see the module docstring)."""
+    margin = jnp.maximum(jnp.asarray(margin, jnp.float32), 0.0)
+    if greedy:
+        argmax = jnp.argmax(logits_BxNxV, axis=-1).astype(jnp.int32)
+        par = jnp.maximum(tree.parents, 0)
+        at_parent = jnp.take_along_axis(logits_BxNxV, par[..., None], axis=1)  # [B, N, V]: the parent's row
+        gap = (jnp.max(at_parent, axis=-1) - jnp.take_along_axis(at_parent, tree.tokens[..., None], axis=-1)[..., 0])
+        walk = jax.vmap(lambda t, pa, v, a, g: _walk_margin_row(t, pa, v, a, g, margin, max_depth=max_depth))
+        path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, argmax, gap)
+    else:
+        if params is None:
+            raise ValueError("rule 'margin' at temperature > 0 needs sampling params")
+        p = target_probs(logits_BxNxV, params, False)
+        keys = jax.random.split(key, tree.tokens.shape[0])
+        walk = jax.vmap(lambda t, pa, v, p, k: _walk_row(t, pa, v, p, p, k, max_depth=max_depth, rule="deterministic",
+                                                         relax=jnp.exp(margin)))
+        path, n, bonus = walk(tree.tokens, tree.parents, tree.valid, p, keys)
     toks = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)
     toks = jnp.where(jnp.arange(max_depth)[None] < n[:, None], toks, 0)
     return Verdict(path=path, num_accepted=n, bonus=bonus, tokens=toks)

@@ -59,6 +59,29 @@ def test_profile_widths_smoke(tmp_path):
     assert costs_from_profile(p, 4, (1, 2, 3)) == tuple(row["round_s"])
 
 
+def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
+    """tools/bench_adaptive.py --smoke: fixed, adaptive and margin rows with their divergence
+    columns; profile_widths --adaptive: every width of a small chain, with the rest of the round."""
+    import bench_adaptive
+    import profile_widths
+    out = tmp_path / "adaptive"
+    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=3", "--margins", "3", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["ar", "lm chain=4", "lm adaptive chain=3", "lm chain=4 margin δ=3"]
+    for name in ("lm chain=4", "lm adaptive chain=3"):
+        assert rows[name]["lossless"] and rows[name]["check"]["mismatch"] == 0 and rows[name]["agreement"] == 1.0
+    wide = rows["lm chain=4 margin δ=3"]
+    assert wide["tau"] > rows["lm chain=4"]["tau"] and wide["agreement"] < 1.0
+    assert 1 <= rows["lm adaptive chain=3"]["mean_verify_width"] <= 4
+    assert "rest_s" in data["meta"]["profiles"]["lm chain=3"] and out.with_suffix(".png").stat().st_size > 0
+    p = profile_widths.main(["--smoke", "--adaptive", "--batch", "1", "--tree", "chain=3",
+                             "--out", str(tmp_path / "p.json")])
+    row = p["rows"]["1"]
+    assert p["adaptive"] and row["widths"] == [1, 2, 3, 4] and row["rest_s"] >= 0
+    assert all(a <= b for a, b in zip(row["round_s"], row["round_s"][1:]))
+
+
 def test_costs_from_profile():
     import pytest
 

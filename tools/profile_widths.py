@@ -8,18 +8,23 @@ For each batch size B and each verify width w of the drafter's `verify_widths(tr
                  round;
     verify_s[w]  the target's verification forward over the first w nodes of a chain (ancestor
                  mask, the drafter's hidden layers), on a cache holding --context committed tokens;
-    round_s[w]   draft_s + verify_s[w], made non-decreasing in w (a running max: a wider verification
-                 never costs less, a measured dip is noise): what the scheduler divides expected
-                 tokens by.
+    rest_s       (--adaptive) a whole round (`engine.spec_round` in the same kind of loop, the whole
+                 tree verified) minus draft_s and verify_s[N]: the walk, commits and emission;
+    round_s[w]   draft_s + verify_s[w] (+ rest_s), made non-decreasing in w (a running max: a wider
+                 verification never costs less, a measured dip is noise): what the scheduler
+                 divides expected tokens by. Without rest_s (the DSpark scheduler's and TAPS's
+                 profiles) the ratios between widths overstate what a wider round costs.
 
 Each piece runs --loops times in one jitted `fori_loop` carrying its state (as the generation loop
 runs it: buffers updated in place, no per-call dispatch; see tools/bench_round.py), after a warm-up
 call; the figure is the median over --repeats calls, divided by --loops. The rest of a round
-(verification walk, cache commits, emission) is about the same at every width and is left out:
-only the differences between widths steer the scheduler.
+(verification walk, cache commits, emission) is about the same at every width; --adaptive measures
+it (rest_s) and adds it to every width, the DSpark scheduler's and TAPS's profiles leave it out.
 
     python tools/profile_widths.py --target models/code-target --drafter models/code-target-dspark --batch 1,4
     python tools/profile_widths.py --smoke    # tiny random target and block drafter (checks the tool)
+    python tools/profile_widths.py --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
+                                              # AdaptiveSpec's widths (specjax.adaptive) for any drafter
 
 Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.profile.costs_from_profile`:
     {"cpu", "device", "target", "target_sha256", "drafter", "tree", "context", "command",
@@ -105,6 +110,41 @@ def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int =
     return median_s(lambda: run(state, carry.dstate, carry.root), repeats) / loops
 
 
+def round_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int = LOOPS) -> float:
+    """Seconds of one whole greedy round as the generation loop runs it (`engine.spec_round`:
+    draft, verification forward, walk, both commits, emission): `loops` rounds in one jitted
+    `fori_loop` carrying the loop's state, after a prefill of `prompts` and one real round."""
+    spec = drafter.resolve_tree(tree_lib.parse_tree_spec(spec))
+    D = spec.max_depth
+    M = loops * (D + 1) + 8  # no row finishes inside the timed loop
+    V = target.config.vocab_size
+    scratch = drafter.check_tree(spec, "greedy")
+    slack = max(spec.num_nodes, getattr(spec, "pool_size", spec.num_nodes), scratch) + D + 2
+    batch = engine.prepare_prompts(prompts, V, M + loops * (D + 1), None, slack=slack)
+    graphdef, state = nnx.split((target, drafter))
+    params, key = SamplingParams.make(0.0, 0, 1.0), jax.random.key(0)
+    eos = jnp.zeros((0,), jnp.int32)
+
+    def one(m, d, c):
+        return engine.spec_round(m, d, c, params, key, eos, max_new_tokens=M, rule="greedy", spec=spec, mode="topk")[0]
+
+    @jax.jit
+    def start(state, toks, lens):
+        m, d = nnx.merge(graphdef, state)
+        c = engine.spec_start(m, d, toks, lens, params, key, eos, capacity=batch.capacity, max_new_tokens=M,
+                              spec=spec, greedy=True)
+        return one(m, d, c)
+
+    carry = start(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
+
+    @jax.jit
+    def run(state, carry):
+        m, d = nnx.merge(graphdef, state)
+        return jax.lax.fori_loop(0, loops, lambda i, c: one(m, d, c), carry).n_out
+
+    return median_s(lambda: run(state, carry), repeats) / loops
+
+
 def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loops: int = LOOPS) -> dict[int, float]:
     """Seconds of the target's verification forward over the first w nodes of the tree, per w:
     `loops` forwards in one jitted `fori_loop` carrying the cache (released after each, as a
@@ -121,10 +161,8 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
     draft = jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32)
     if isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1:
         tree = tree_lib.chain_tree(toks[:, -1], draft)
-    elif isinstance(spec, tree_lib.BestFirstTree):  # w tree nodes cost what w chain nodes cost: one forward over w
+    else:  # w tree nodes cost what w chain nodes cost: one forward over w (the mask's shape costs nothing more)
         tree, D = tree_lib.chain_tree(toks[:, -1], draft), N - 1
-    else:
-        raise ValueError(f"profile_widths profiles chains and best-first trees (the block drafter's), not {spec}")
 
     def make(w):
         sub = jax.tree.map(lambda x: x[:, :w], tree)
@@ -148,19 +186,28 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
 
 
 def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: int, loops: int = LOOPS,
-                 log=print) -> dict:
-    """{str(B): {"widths", "round_s", "draft_s", "verify_s"}} for each batch size."""
+                 log=print, whole_round: bool = False) -> dict:
+    """{str(B): {"widths", "round_s", "draft_s", "verify_s"[, "rest_s"]}} for each batch size.
+    `whole_round`: also time whole rounds (`round_seconds`, the drafter as given) and add what is
+    neither the draft nor the verification forward (the walk, commits, emission: `rest_s`, the same
+    at every width) to round_s, so a width's cost is a whole round's."""
     rows = {}
     for B in batches:
         prompts = random_prompts(target.config.vocab_size, B, context, seed=B)
         draft = draft_seconds(target, drafter, prompts, spec, repeats, loops)
         ver = verify_seconds(target, tuple(drafter.target_layers), prompts, spec, widths, repeats, loops)
+        rest = 0.0
+        if whole_round:  # the drafter as given verifies its widest width (equal costs), so the rest is what remains
+            rest = max(round_seconds(target, drafter, prompts, spec, repeats, loops) - draft - ver[widths[-1]], 0.0)
         # A wider verification never costs less (timing noise aside): round_s is non-decreasing in w.
-        round_s = np.maximum.accumulate([draft + ver[w] for w in widths]).tolist()
+        round_s = np.maximum.accumulate([draft + ver[w] + rest for w in widths]).tolist()
         rows[str(B)] = {"widths": list(widths), "round_s": round_s, "draft_s": draft,
                         "verify_s": [ver[w] for w in widths]}
+        if whole_round:
+            rows[str(B)]["rest_s"] = rest
         log(f"[profile_widths] batch {B}: draft {1000 * draft:.2f} ms, verify "
-            + ", ".join(f"w={w} {1000 * ver[w]:.2f}" for w in widths) + " ms")
+            + ", ".join(f"w={w} {1000 * ver[w]:.2f}" for w in widths) + " ms"
+            + (f", rest of the round {1000 * rest:.2f} ms" if whole_round else ""))
         jax.clear_caches()
     return rows
 
@@ -199,6 +246,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=256, help="committed tokens in the caches (default 256)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loops", type=int, default=LOOPS, help="iterations per timed jitted call")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="profile the adaptive shape's widths (specjax.adaptive.adaptive_widths) for any drafter "
+                         "(lm, feature, block) and --tree (default: the drafter's default tree)")
     ap.add_argument("--smoke", action="store_true", help="tiny random target and block drafter: checks the tool")
     ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
     args = ap.parse_args(argv)
@@ -214,7 +264,7 @@ def main(argv=None) -> dict:
         from tools.bench import smoke_models
         cfg, target, _ = smoke_models()
         head = smoke_block_head(cfg)
-        drafter = BlockDrafter(head, target, confidence=0.5)
+        drafter = BlockDrafter(head, target, confidence="off" if args.adaptive else 0.5)
         args.context, args.repeats, args.loops = min(args.context, 64), min(args.repeats, 2), min(args.loops, 4)
         target_name, drafter_name, sha = "smoke", "smoke", None
     else:
@@ -228,16 +278,25 @@ def main(argv=None) -> dict:
             ap.error(f"--drafter {args.drafter}: no such directory (train one: python -m train.block)")
         target = specjax.load_model(args.target)
         try:
-            drafter = load_drafter(args.drafter, target, target_path=args.target, confidence=0.5)
+            drafter = load_drafter(args.drafter, target, target_path=args.target,
+                                   confidence="off" if args.adaptive else 0.5)
         except ValueError as e:
             ap.error(f"--drafter {args.drafter}: {e}")
-        if not isinstance(drafter, BlockDrafter):
-            ap.error(f"--drafter {args.drafter}: not a block drafter")
+        if not isinstance(drafter, BlockDrafter) and not args.adaptive:
+            ap.error(f"--drafter {args.drafter}: not a block drafter (profile another drafter's widths with --adaptive)")
         target_name, drafter_name, sha = repo_relative(args.target), repo_relative(args.drafter), weights_sha256(args.target)
-    tree = args.tree or f"chain={drafter.head.config.block_size}"
+    if args.adaptive:
+        from specjax.adaptive import AdaptiveShape, adaptive_widths
+        tree = args.tree or drafter.default_tree
+        try:
+            n = drafter.resolve_tree(tree_lib.parse_tree_spec(tree)).num_nodes
+            drafter = AdaptiveShape(drafter, (1.0,) * len(adaptive_widths(n)))
+        except ValueError as e:
+            ap.error(f"--adaptive --tree {tree}: {e}")
+    tree = args.tree or drafter.default_tree
     try:
         spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
-        if isinstance(spec, tree_lib.BestFirstTree):  # TAPS's budget: the widths of tree_widths(N), confidence off
+        if isinstance(spec, tree_lib.BestFirstTree) and not args.adaptive:  # TAPS's budget: the widths of tree_widths(N), confidence off
             from specjax.taps import tree_widths
             drafter = BlockDrafter(drafter.head, target, path_calibration=drafter.path_calibration,
                                    costs=(1.0,) * len(tree_widths(spec.num_nodes)) if spec.select == "taps" else None)
@@ -249,9 +308,10 @@ def main(argv=None) -> dict:
         ap.error(f"--context {args.context}: does not fit the target's {target.config.max_position_embeddings} positions")
 
     rows = profile_rows(target, drafter, batches, spec, widths, args.context, args.repeats, args.loops,
-                        log=lambda s: print(s, file=sys.stderr, flush=True))
+                        log=lambda s: print(s, file=sys.stderr, flush=True), whole_round=args.adaptive)
     profile = {"cpu": cpu_name(), "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
                "target": target_name, "target_sha256": sha, "drafter": drafter_name, "tree": tree,
+               "adaptive": bool(args.adaptive),
                "context": args.context, "repeats": args.repeats, "loops": args.loops,
                "command": "python tools/profile_widths.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "rows": rows}

@@ -366,6 +366,32 @@ def _schedule_history(changes: list[dict]) -> str:
             f"(`--max-steps`) and resumes with the next config and `--reschedule`.\n")
 
 
+def adaptive_section(model_dir: Path) -> str:
+    """The card's note on `adaptive_calibration.json` (the adaptive shape's g(q, depth),
+    `train.adaptive_calibration`), or "" when the directory has none."""
+    f = model_dir / "adaptive_calibration.json"
+    if not f.exists():
+        return ""
+    raw = json.loads(f.read_text())
+    seen = [sum(r) for r in raw["seen"]]
+    hits = [sum(r) for r in raw["hits"]]
+    rates = " / ".join(f"{h / n:.2f}" for h, n in zip(hits, seen) if n)
+    return f"""
+## Adaptive-shape calibration
+
+`adaptive_calibration.json`: counts for `specjax.adaptive.AdaptiveShape`'s g(q, depth), the rate at
+which a node whose parent was accepted is accepted itself, by depth and by bin of its own draft
+probability q given its parent ({raw['depths']} depths x {raw['bins']} bins; `rate` is the fit the
+drafter uses: shrunk toward all depths, non-decreasing in q). Fitted on {raw.get('prompts')} validation prompts
+({raw.get('kind')}), {raw.get('new_tokens')} new tokens each, trees {', '.join(raw.get('trees', []))}, every round
+verifying the whole tree: {int(sum(seen))} observed nodes, acceptance by depth {rates}.
+
+```
+{raw.get('command')}
+```
+"""
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
@@ -388,7 +414,7 @@ def main(argv=None) -> None:
             reuse = old["test"]
         card, record = lm_card(args.model, args.max_tokens, progress=True, reuse_test=reuse,
                                compare=tuple(args.compare))
-    (args.model / "README.md").write_text(card)
+    (args.model / "README.md").write_text(card + adaptive_section(args.model))
     (args.model / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {_rel(args.model / 'README.md')}")
 

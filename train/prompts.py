@@ -5,11 +5,15 @@ documents do in training).
 - `functions`: up to and including a `def` line (the model writes the body);
 - `docstrings`: up to the opening quotes of a docstring (the model writes the prose);
 - `tests`: test files cut after a test method's `def` line (repetitive code);
-- `long`: see `corpus.long_context_prompts`.
+- `long`: see `corpus.long_context_prompts`;
+- `whole_function_prompts`: one whole top-level function (decorators, `def`, body) per prompt, so
+  the prompt compiles and a completion's validity as Python can be checked (`tools/bench_adaptive.py`).
 """
 from __future__ import annotations
 
+import ast
 import re
+import warnings
 from pathlib import Path
 
 from train import corpus
@@ -47,4 +51,40 @@ def prompt_set(kind: str, tokenizer, n: int, *, split: str = "test", context_tok
             out.append({"path": f.path, "ids": ids, "text": text[:cut][-400:]})
             if len(out) == n:
                 return out
+    return out
+
+
+def whole_function_prompts(tokenizer, n: int, *, split: str = "test", max_tokens: int = 256, min_tokens: int = 32,
+                           manifest: corpus.Manifest | None = None, root: Path | None = None) -> list[dict]:
+    """`n` prompts, deterministic: files in manifest order, at most 2 per file, each one whole
+    top-level function (from its first decorator to its last line, then a newline) of
+    `min_tokens`..`max_tokens` tokens after <|endoftext|>. A file that does not parse is skipped.
+    Returns [{"path", "ids", "text"}] (`text`: the function's source)."""
+    manifest = manifest if manifest is not None else corpus.read_manifest()
+    root = Path(root) if root is not None else corpus.stdlib_root()
+    out = []
+    for f in manifest.split(split):
+        text = corpus.read_text(root, f)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.split("\n")
+        taken = 0
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.col_offset != 0:
+                continue
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            src = "\n".join(lines[start:node.end_lineno]) + "\n"
+            ids = [EOT_ID] + tokenizer.encode(src).ids
+            if not min_tokens <= len(ids) <= max_tokens:
+                continue
+            out.append({"path": f.path, "ids": ids, "text": src})
+            taken += 1
+            if len(out) == n:
+                return out
+            if taken == 2:
+                break
     return out

@@ -21,6 +21,8 @@ capabilities (class attributes, read on the host; never a check of the drafter's
                          the engine passes the target's committed state to every drafter, and XLA
                          drops what a drafter does not read
     attends              it has attention that FOLD can replace (`with_fold`)
+    stops_early          it honours `DraftContext.stop` on chains (drafts depth by depth and can end
+                         early, saving the steps it does not run; lm, feature)
     drafts_matches       its candidates are copied matches (n-gram), free and unscored: TreeGraft takes
                          its trie as the cheap tree as is (no larger-than-budget expansion by q)
     default_tree         the tree spec used when the caller gives none (default "chain=4"; a block
@@ -40,6 +42,8 @@ hooks (host side, before tracing)
                          cuts its drafts (trailing nodes invalid) returns several, e.g. (1, 3, 5, 9)
 
 hooks (traced)
+    prepare(state, spec) -> state                      after init, before the first round: buffers sized
+                                                        for the tree (default: the state as it is)
     score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
     loop_stats(final_state) -> {name: [B] array}        extra per-row statistics (default: none)
 """
@@ -67,6 +71,10 @@ class DraftContext:
     key: jax.Array
     features: Any = None  # target features at the root (feature drafters)
     active: Any = None  # bool [B]: rows still generating (None: all); a finished row's draft is never verified
+    # `stop(d, score_BxN) -> bool []`: a chain drafted depth by depth may stop after its d-th token
+    # (traced d >= 1; score: cumulative log q so far, -inf past d); the nodes past it stay invalid,
+    # their drafting steps are not run. None: draft the whole tree (the adaptive shape sets it).
+    stop: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -115,6 +123,7 @@ class Drafter(nnx.Module):
     reads_target_state: ClassVar[bool] = False
     attends: ClassVar[bool] = False
     drafts_matches: ClassVar[bool] = False
+    stops_early: ClassVar[bool] = False
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
 
     # -- the protocol (traced)
@@ -129,6 +138,11 @@ class Drafter(nnx.Module):
         raise TypeError(f"{type(self).__name__} does not define commit")
 
     # -- optional hooks, with their defaults
+
+    def prepare(self, state, spec: TreeSpec) -> Any:
+        """Traced once, after `init` and before the first round: the state with whatever it keeps
+        per tree node sized for `spec` (the adaptive shape's round buffers). Default: unchanged."""
+        return state
 
     def score(self, state, tree: TreeBuffers, max_depth: int | None = None):
         """log q(·|node) at every node of another drafter's tree [B, N, V]; the state is unchanged."""

@@ -168,6 +168,7 @@ class FeatureDrafter(heads.HeadDrafter):
     gives_q = True
     can_score = True
     attends = True
+    stops_early = True
 
     def __init__(self, head: FeatureHead, target: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
@@ -230,7 +231,8 @@ class FeatureDrafter(heads.HeadDrafter):
             logq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             return logq, (cache, scratch)
 
-        tree, probs, (cache, _) = tree_lib.expand(spec, root_B, evaluate, (state.cache, scratch), ctx.key, mode=ctx.mode)
+        tree, probs, (cache, _) = tree_lib.expand(spec, root_B, evaluate, (state.cache, scratch), ctx.key, mode=ctx.mode,
+                                                  stop=ctx.stop)
         return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache))
 
     def score(self, state: FeatureState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):

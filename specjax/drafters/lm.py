@@ -23,6 +23,7 @@ class LMDrafter(Drafter):
     gives_q = True
     can_score = True
     attends = True
+    stops_early = True
 
     def __init__(self, model: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
@@ -81,7 +82,8 @@ class LMDrafter(Drafter):
             return logq, out.cache
 
         slots = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
-        tree, probs, cache = tree_lib.expand(spec, root_B, evaluate, fam.reserve(cache, slots), ctx.key, mode=ctx.mode)
+        tree, probs, cache = tree_lib.expand(spec, root_B, evaluate, fam.reserve(cache, slots), ctx.key, mode=ctx.mode,
+                                             stop=ctx.stop)
         # Scratch K/V stay past the committed length (commit overwrites them); scratch states go.
         return Proposal(tree=tree, probs=probs, state=fam.release(cache))
 
