@@ -108,10 +108,12 @@ def test_drafting_pass_equals_training_pass(target):
         pre = fam.prefill(target, toks, a[None], fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
         return d.draft_block(d.init(toks, a[None], 64, pre), toks[:, a])[:2]
 
+    # The two passes reach the states by different float32 paths (chunked prefill vs the training
+    # pass's states): up to 3e-4 apart on an Intel Xeon; the state's own effect above is > 0.1.
     for j, a in enumerate((4, 16, 28)):
         base, h = drafted(jnp.int32(a))
-        np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, j]), atol=2e-4, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(h[0]), np.asarray(h_train[0, j]), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, j]), atol=1e-3, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(h[0]), np.asarray(h_train[0, j]), atol=1e-3, rtol=1e-4)
     # a round: 13 committed, the target extends by 3 (its committed state now after 16 tokens), and
     # the drafter reads that state from `Committed.target` and drafts as training does at anchor 16
     @jax.jit
