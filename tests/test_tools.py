@@ -65,7 +65,8 @@ def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
     import bench_adaptive
     import profile_widths
     out = tmp_path / "adaptive"
-    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=3", "--margins", "3", "--out", str(out)]) == 0
+    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=3", "--margins", "3", "--new-tokens", "10",
+                                "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {r["method"]: r for r in data["rows"]}
     assert list(rows) == ["ar", "lm chain=4", "lm adaptive chain=3", "lm chain=4 margin δ=3"]
