@@ -54,8 +54,6 @@ conditional estimate times the one before. A one-pass (block) drafter drafts its
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import jax
@@ -74,6 +72,8 @@ CELLS = DEPTHS * BINS
 SHRINK = 5.0  # pseudo-observations pulling a depth's bin toward the bin's rate over all depths
 PRIOR_WEIGHT = 50.0  # pseudo-observations per bin at most from an offline calibration
 CALIBRATION_FILE = "adaptive_calibration.json"
+EVERY_WIDTH = 9  # trees up to this many nodes compile every verify width
+RHO_RANGE = (0.25, 4.0)  # the history correction is kept within this range
 CALIBRATION_FORMAT = "specjax-adaptive-calibration-v1"
 
 
@@ -133,17 +133,9 @@ class AcceptanceCalibration:
 
 def read_calibration(drafter_dir: str) -> AcceptanceCalibration | None:
     """`adaptive_calibration.json` in the drafter's directory, or None when it has none."""
-    file = os.path.join(drafter_dir, CALIBRATION_FILE)
-    if not os.path.exists(file):
-        return None
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: unreadable ({e})") from None
-    return AcceptanceCalibration.from_json(raw, file)
-EVERY_WIDTH = 9  # trees up to this many nodes compile every verify width
-RHO_RANGE = (0.25, 4.0)  # the history correction is kept within this range
+    from specjax.taps import read_json_beside
+    raw, file = read_json_beside(drafter_dir, CALIBRATION_FILE)
+    return None if raw is None else AcceptanceCalibration.from_json(raw, file)
 
 
 def adaptive_widths(num_nodes: int) -> tuple[int, ...]:

@@ -100,15 +100,21 @@ def json_freeze(v):
 
 def read_path_calibration(path: str) -> PathCalibration | None:
     """The drafter directory's `path_calibration.json`, or None when it has none."""
-    file = os.path.join(path, PATH_CALIBRATION_FILE)
+    raw, file = read_json_beside(path, PATH_CALIBRATION_FILE)
+    return None if raw is None else PathCalibration.from_json(raw, file)
+
+
+def read_json_beside(directory: str, name: str):
+    """(the JSON object in `directory/name`, its path), or (None, path) when there is no such file;
+    ValueError naming the file when it is unreadable."""
+    file = os.path.join(directory, name)
     if not os.path.exists(file):
-        return None
+        return None, file
     try:
         with open(file) as f:
-            raw = json.load(f)
+            return json.load(f), file
     except (OSError, ValueError) as e:
         raise ValueError(f"{file}: unreadable ({e})") from None
-    return PathCalibration.from_json(raw, file)
 
 
 def isotonic(y_N, w_N):
