@@ -235,6 +235,9 @@ class AdaptiveShape(Drafter):
             raise ValueError(f"AdaptiveShape wraps a drafter (a specjax.drafters.Drafter), got {type(inner).__name__}")
         if isinstance(inner, AdaptiveShape):
             raise ValueError("the drafter is already adaptive")
+        if inner.reads_own_tree:
+            raise ValueError(f"the {inner.name!r} drafter (DPara) commits against the tree it proposed itself; the "
+                             "adaptive shape reorders and cuts it: use it on its own")
         if not inner.gives_q:
             raise ValueError(f"the adaptive shape ranks a tree's nodes by the drafter's path log q: the "
                              f"{inner.name!r} drafter gives none (use an lm, feature or block drafter)")

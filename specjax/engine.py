@@ -417,7 +417,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
         cache = fam.commit(tcache, vd.path, keep_B)
         committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
                               positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
-                              target=cache)
+                              target=cache, nodes=vd.path)
         dstate = drafter.commit(prop.state, committed)
     return _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)
 

@@ -207,6 +207,9 @@ class TreeGraft(Drafter):
         if isinstance(cheap, TreeGraft) or isinstance(strong, TreeGraft):
             raise ValueError("TreeGraft combines two plain drafters (cheap, strong), not another TreeGraft")
         for d in (cheap, strong):
+            if d.reads_own_tree:
+                raise ValueError(f"the {d.name!r} drafter (DPara) commits against the tree it proposed itself; "
+                                 "TreeGraft grafts a new tree: use it on its own")
             if type(d).prepare is not Drafter.prepare:  # e.g. the adaptive shape, a composite itself
                 raise ValueError(f"TreeGraft combines drafters whose state needs no per-tree sizing; the {d.name!r} "
                                  "drafter has its own prepare hook (wrap the plain drafter instead)")

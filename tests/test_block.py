@@ -29,7 +29,7 @@ from specjax.drafters.base import DraftContext
 from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, calibrate_temperatures, ece, fill_to_width,
                                     load_block_head,
                                     save_block_head, schedule_keep, train_logits)
-from specjax.models import family, hybrid
+from specjax.models import family, hybrid, transformer
 from specjax.models.config import HybridConfig
 from specjax.sampling import SamplingParams
 from specjax.tree import parse_tree_spec
@@ -247,14 +247,20 @@ ROWS = 100_000
 SV = 8  # vocabulary of the sampling test
 
 
-def test_sampled_rule_with_markov_sampling_is_lossless():
+@pytest.mark.parametrize("boundary,ar", [(False, 0), (True, 0), (True, 4)], ids=["dspark", "dpara", "dpara-ar"])
+def test_sampled_rule_with_markov_sampling_is_lossless(boundary, ar):
     """100k rows draft a 2-chain by sampling through the Markov head from q; the sampled rule's
     first two emitted tokens follow the target exactly. The planted bug: the drafter reports its
-    base distribution b_k as q (without the Markov term it sampled with): rejected."""
+    base distribution b_k as q (without the Markov term it sampled with): rejected. DPara
+    (`boundary`): the same from the block its init precomputed, walked by the Markov head or by an
+    autoregressive head (`ar`: its width; q from it, the planted bug the same)."""
     target = spread_target(SV)
-    cfg = BlockConfig.for_target(target.config, block_size=3, num_layers=1, markov_rank=4)
+    cfg = BlockConfig.for_target(target.config, block_size=3, num_layers=1, markov_rank=4, boundary=boundary,
+                                 ar_intermediate=ar)
     head = BlockHead(cfg, nnx.Rngs(2))
     rng = np.random.default_rng(0)
+    if ar:  # a head that changes the rows (a fresh one adds zero)
+        head.ar_head.down.weight.set_value(jnp.asarray(rng.normal(size=(ar, cfg.hidden_size)), jnp.float32))
     head.markov_out.set_value(jnp.asarray(rng.normal(size=(4, SV)) * 1.5, jnp.float32))
     head.markov_embed.set_value(jnp.asarray(rng.normal(size=(SV, 4)), jnp.float32))
     d = BlockDrafter(head, target)
@@ -289,7 +295,8 @@ def test_sampled_rule_with_markov_sampling_is_lossless():
     assert_first_two_follow(first, second, n, p0, p1, SV)
     assert 0.1 < (n >= 1).mean() < 0.95 and (n >= 2).mean() > 0.02  # both depths accept and reject
     # the planted bug: q without the Markov term
-    base = jax.jit(d.draft_block)(state, roots).base
+    blk = jax.jit(d.block_pass)(state, roots)
+    base = blk.base if blk.base is not None else jax.jit(lambda h: transformer.lm_head(target, h))(blk.hidden)
     wrong = jnp.concatenate([jax.nn.softmax(base[:, :2], -1), jnp.zeros((ROWS, 1, SV))], axis=1)
     assert float(jnp.abs(wrong - prop.probs).max()) > 0.05
     first_w, second_w, n_w = first_two(wrong)

@@ -44,6 +44,24 @@ def test_bench_round_smoke(tmp_path):
     assert "break-even" in out.with_suffix(".md").read_text()
 
 
+def test_bench_critical_path_smoke(tmp_path):
+    """tools/bench_critical_path.py --smoke: DSpark and DPara split along their critical paths."""
+    import bench_critical_path
+    out = tmp_path / "cp"
+    r = bench_critical_path.main(["--smoke", "--out", str(out)])
+    rows = {x["drafter"]: x for x in r["rows"]}
+    assert set(rows) == {"dspark", "dpara"} and rows["dpara"]["dpara"] and not rows["dspark"]["dpara"]
+    for x in rows.values():
+        assert all(v > 0 for k, v in x["ms"].items() if k in ("whole round", "drafter backbone pass",
+                                                                "drafter head (block -> draft)"))
+        cp = x["critical_path"]
+        assert cp["round with full overlap"] <= cp["measured round"]
+    dp = rows["dpara"]["critical_path"]
+    assert dp["critical path (DSpark: the sum; DPara: without the backbone)"] < dp[
+        "sequential sum: backbone + head + verification forward + rest"]
+    assert "critical path" in out.with_suffix(".md").read_text()
+
+
 def test_profile_widths_smoke(tmp_path):
     import profile_widths
 

@@ -368,6 +368,20 @@ def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full
     assert got.sequences() == ref.sequences()
     with pytest.raises(ValueError, match="freeze_backbone"):
         _block_cfg(zoo, full_run, freeze_backbone=True, ar_intermediate=16)
+    # DPara: boundary blocks, initialised from the DSpark export (its token projection fresh)
+    dp_cfg = _block_cfg(zoo, full_run, name="tiny-dpara", init_from=str(zoo["base"] / "blk-export"), boundary=True,
+                        steps=4, eval_every=4)
+    block.train(dp_cfg, zoo["base"] / "dp-run", zoo["base"] / "dp-export", progress=False)
+    dp_info = json.loads((zoo["base"] / "dp-export" / "train_info.json").read_text())
+    assert len(dp_info["final"]["val_tau_estimate_by_boundary"]) == 5  # boundaries 0..W
+    card, _ = model_card.block_card(zoo["base"] / "dp-export")
+    assert "DPara" in card and "by acceptance boundary" in card
+    dp = load_drafter(str(zoo["base"] / "dp-export"), target, target_path=str(full_run["export"]))
+    assert dp.head.config.boundary and dp.reads_own_tree and not dp.can_score
+    got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[dp], tree="chain=4")
+    assert got.sequences() == ref.sequences()
+    with pytest.raises(ValueError, match="lag_decay"):
+        _block_cfg(zoo, full_run, boundary=True, lag_decay=0)
 
 
 # ----------------------------------------------------------------------------- hybrid target

@@ -7,7 +7,8 @@ length, bonus included) and per-depth acceptance, medians over repeats after unt
 calls (one per prompt-length bucket, so every shape is compiled before timing).
 
 Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation; `--ready`: ReaDy, DSpark
-reading a hybrid target's recurrent states; `--block NAME=DIR`: any other, e.g. an ablation) draft a
+reading a hybrid target's recurrent states; `--dpara`: DPara, DSpark with the next block precomputed
+for every acceptance boundary; `--block NAME=DIR`: any other, e.g. an ablation) draft a
 chain of their block size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
 profile of this machine (`--verify-profile`, from tools/profile_widths.py), under the DSpark
 scheduler; and a dynamic tree from the same one backbone pass; a state reader also drafts with
@@ -365,7 +366,7 @@ def zoo_setup(args):
     if args.feature and os.path.isdir(args.feature):
         drafters["feature"] = load_drafter(args.feature, target, target_path=args.target)
     extra = [tuple(x.split("=", 1)) for x in args.block]
-    for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready)] + extra:
+    for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready), ("dpara", args.dpara)] + extra:
         if d and os.path.isdir(d):  # block drafters, where trained
             drafters[name] = load_drafter(d, target, target_path=args.target)
     drafters["ngram"] = NgramDrafter()
@@ -472,6 +473,9 @@ def main(argv=None):
     ap.add_argument("--ready", default=None,
                     help="ReaDy block drafter, DSpark reading the hybrid target's recurrent states "
                          "(default: TARGET-ready where it exists; '' for none)")
+    ap.add_argument("--dpara", default=None,
+                    help="DPara block drafter, DSpark with its next block precomputed for every acceptance boundary "
+                         "(default: TARGET-dpara where it exists; '' for none)")
     ap.add_argument("--block", action="append", default=[], metavar="NAME=DIR",
                     help="another block drafter under a method name of its own (repeatable), e.g. an ablation: "
                          "--block ready-l6=runs/ready-l6-export")
@@ -506,11 +510,13 @@ def main(argv=None):
         args.dflash = f"{args.target.rstrip('/')}-dflash"
     if args.ready is None:
         args.ready = f"{args.target.rstrip('/')}-ready"
+    if args.dpara is None:
+        args.dpara = f"{args.target.rstrip('/')}-dpara"
     for x in args.block:
         name, eq, d = x.partition("=")
         if not eq or not name or not d or any(c in name for c in " ,="):
             ap.error(f"--block {x!r}: expected NAME=DIR (a name without spaces or commas)")
-        if name in ("lm", "feature", "ngram", "dspark", "dflash", "ready"):
+        if name in ("lm", "feature", "ngram", "dspark", "dflash", "ready", "dpara"):
             ap.error(f"--block {x!r}: {name!r} names a built-in drafter; pick another name")
         if not os.path.isdir(d):
             ap.error(f"--block {x!r}: no such directory")

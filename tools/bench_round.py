@@ -24,6 +24,7 @@ Medians over repeats after a warm-up call; float32. Writes bench/<out>.md and .j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -38,7 +39,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.drafters import FeatureDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
+from specjax.drafters import BlockDrafter, FeatureDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
 from specjax.drafters.feature import FeatureConfig, FeatureHead  # noqa: E402
 from specjax.models import family, transformer  # noqa: E402
 from tools.bench import cpu_model  # noqa: E402
@@ -172,12 +173,21 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
                                 spec=spec, mode="topk")[0]
         return new
 
+    def between_rounds(st):
+        """(the state as a round leaves it, a value that keeps what propose made for commit alive):
+        DPara's boundary blocks exist inside a round only, and their shape follows the tree."""
+        blocks = getattr(st, "boundary", None)
+        if blocks is None:
+            return st, jnp.int32(0)
+        return dataclasses.replace(st, boundary=None), (jnp.sum(blocks) > 0).astype(jnp.int32)
+
     def propose_body(sp):
         def body(state, x, i):
             _, d = nnx.merge(graphdef, state)
             dstate, acc = x
             prop = d.propose(dstate, carry.root, ctx(sp))
-            return prop.state, acc + jnp.sum(prop.tree.tokens)
+            st, alive = between_rounds(prop.state)
+            return st, acc + jnp.sum(prop.tree.tokens) + alive
         return body
 
     m0, d0 = nnx.merge(graphdef, state)
@@ -204,18 +214,21 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
 
     def dcommit_body(state, dstate, i):
         _, d = nnx.merge(graphdef, state)
-        return d.commit(dstate, committed)
+        new = d.commit(dstate, committed)
+        return dataclasses.replace(new, boundary=dstate.boundary) if getattr(dstate, "boundary", None) is not None else new
 
     reps = max(repeats * 5, 5)
     per = lambda fn, *a: median_ms(lambda: fn(*a), reps) / R  # noqa: E731
     zero = jnp.float32(0)
     ms = {"whole round": per(looped(round_body), state, carry),
-          "draft (propose)": per(looped(propose_body(spec)), state, (prop.state, jnp.int32(0))),
-          "chain=1 proposal": per(looped(propose_body(tree_lib.chain(1))), state, (prop.state, jnp.int32(0))),
-          "chain=2 proposal": per(looped(propose_body(tree_lib.chain(2))), state, (prop.state, jnp.int32(0))),
+          "draft (propose)": per(looped(propose_body(spec)), state, (between_rounds(prop.state)[0], jnp.int32(0))),
+          "chain=1 proposal": per(looped(propose_body(tree_lib.chain(1))), state, (between_rounds(prop.state)[0], jnp.int32(0))),
+          "chain=2 proposal": per(looped(propose_body(tree_lib.chain(2))), state, (between_rounds(prop.state)[0], jnp.int32(0))),
           "target forward (verification)": per(looped(forward_body), state, (cache0, zero)),
           "verification walk": per(looped(walk_body), state, zero),
           "drafter commit": per(looped(dcommit_body), state, prop.state)}
+    if isinstance(d0, BlockDrafter):
+        ms.update(block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per, fam, layers, D, ctx(spec)))
     # one drafter step: the marginal cost of one more depth
     ms["one drafter step"] = max(ms["chain=2 proposal"] - ms["chain=1 proposal"], 0.0)
     ms["draft forwards (depth x one step)"] = D * ms["one drafter step"]
@@ -225,6 +238,76 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     ms["bookkeeping"] = (ms["whole round"] - ms["target forward (verification)"]
                          - ms["draft forwards (depth x one step)"] - ms["drafter commit"])
     return ms
+
+
+def block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per, fam, layers, D, ctx) -> dict[str, float]:
+    """A block drafter's round split along its critical path (`stage_split`'s loops, same state):
+    its backbone pass (DSpark: the block through the backbone and the LM head, on the path; DPara:
+    the boundary pass over the draft's nodes, off it), its head (DSpark: the Markov walk from the
+    block; DPara: the LM head on the chosen block and the walk), and the target's verification
+    forward and the backbone pass in ONE loop body with no data dependence between them: below their
+    sum where the device runs them side by side."""
+    import dataclasses
+
+    from specjax import tree as tree_lib
+    from specjax.drafters.block import BlockPass
+    d0 = nnx.merge(graphdef, state)[1]
+    dpara = d0.head.config.boundary
+    anc = tree_lib.ancestor_mask(tree, D)
+
+    def backbone(d, dcache, i):
+        if dpara:
+            h, dcache = d.boundary_pass(dcache, touch(tree.tokens, i), tree.depth, anc)
+            return dcache, jnp.sum(h)
+        b = d.draft_block(dataclasses.replace(carry.dstate, cache=dcache), touch(carry.root, i))
+        return b.cache, jnp.sum(b.base)  # its LM head too: DSpark's base logits come out of its backbone pass
+
+    def backbone_body(state, x, i):
+        dcache, acc = x
+        dcache, s = backbone(nnx.merge(graphdef, state)[1], dcache, i)
+        return dcache, acc + s
+
+    blk0 = d0.block_pass(carry.dstate, carry.root)
+
+    def head_body(state, x, i):
+        _, d = nnx.merge(graphdef, state)
+        dstate, acc = x
+        root = touch(carry.root, i)
+        blk = d.block_pass(dstate, root) if dpara else BlockPass(blk0.base, blk0.hidden, dstate.cache, blk0.pre)
+        p = d._draft(dstate, blk, root, ctx)
+        return p.state, acc + jnp.sum(p.tree.tokens)
+
+    def both_body(state, x, i):
+        m, d = nnx.merge(graphdef, state)
+        tcache, dcache, acc = x
+        out = fam.forward(m, touch(tree.tokens, i), tree_lib.positions(tree, tcache.length), tcache, anc,
+                          hidden_layers=layers, parents=tree.parents)
+        dcache, s = backbone(d, dcache, i)
+        return fam.release(out.cache), dcache, acc + out.logits[0, 0, 0] + s
+
+    dcache0 = prop.state.cache
+    zero = jnp.float32(0)
+    return {"drafter backbone pass": per(looped(backbone_body), state, (dcache0, zero)),
+            "drafter head (block -> draft)": per(looped(head_body), state, (carry.dstate, jnp.int32(0))),
+            "verification forward + backbone pass, one program": per(looped(both_body), state, (cache0, dcache0, zero))}
+
+
+def critical_path(ms: dict, dpara: bool) -> dict[str, float]:
+    """A block drafter's round along its critical path, from `stage_split` + `block_stages` (ms):
+    `measured` the whole round as this device ran it; `sequential` backbone + head + verification
+    forward + the rest (walk, commits, emission); `overlap saving` what running the verification
+    forward and the backbone pass in one program saved against their sum here; `with full overlap`
+    DPara's round if the backbone ran entirely beside the verification forward (measured round −
+    min(backbone, forward)); DSpark's backbone waits for the verification, so its round stays."""
+    fwd, bb = ms["target forward (verification)"], ms["drafter backbone pass"]
+    rest = ms["whole round"] - ms["draft (propose)"] - fwd
+    head = ms["drafter head (block -> draft)"]
+    out = {"measured round": ms["whole round"],
+           "sequential sum: backbone + head + verification forward + rest": bb + head + fwd + rest,
+           "critical path (DSpark: the sum; DPara: without the backbone)": (0.0 if dpara else bb) + head + fwd + rest,
+           "overlap saving measured (forward + backbone - one program)": fwd + bb - ms["verification forward + backbone pass, one program"]}
+    out["round with full overlap"] = ms["whole round"] - (min(bb, fwd) if dpara else 0.0)
+    return out
 
 
 def split_table(rows: list[dict]) -> list[str]:

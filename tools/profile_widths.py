@@ -212,12 +212,12 @@ def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: 
     return rows
 
 
-def smoke_block_head(target_cfg, block_size: int = 8, markov_rank: int = 8, seed: int = 0):
+def smoke_block_head(target_cfg, block_size: int = 8, markov_rank: int = 8, seed: int = 0, boundary: bool = False):
     """A tiny random BlockHead for the smoke modes, with a random confidence head (so confidences
-    vary around 0.5 and cuts happen)."""
+    vary around 0.5 and cuts happen); `boundary`: DPara's."""
     from specjax.drafters.block import BlockConfig, BlockHead
-    head = BlockHead(BlockConfig.for_target(target_cfg, block_size=block_size, num_layers=1, markov_rank=markov_rank),
-                     nnx.Rngs(seed))
+    head = BlockHead(BlockConfig.for_target(target_cfg, block_size=block_size, num_layers=1, markov_rank=markov_rank,
+                                            boundary=boundary), nnx.Rngs(seed))
     if head.confidence_w is not None:
         w = head.confidence_w.get_value()
         head.confidence_w.set_value(0.3 * jax.random.normal(jax.random.key(seed + 7), w.shape, w.dtype))

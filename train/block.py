@@ -76,6 +76,9 @@ class BlockTrainConfig:
     # TreeFlash (design §5e): the autoregressive-approximation head, trained on a frozen backbone
     ar_intermediate: int = 0  # > 0: the head's width I
     freeze_backbone: bool = False  # train the TreeFlash head only (needs init_from: the backbone)
+    # DPara (design §5d): blocks precomputed at acceptance boundaries (`init_from`: a DSpark run)
+    boundary: bool = False
+    lag_decay: float = 2.0  # boundary g in 0..W drawn with p(g) ~ exp(-g / lag_decay) (rounds accept few tokens)
     anchors: int = 32  # blocks per sequence
     ce_weight: float = 0.1
     l1_weight: float = 0.9
@@ -101,6 +104,8 @@ class BlockTrainConfig:
             raise ValueError(f"state_every must be >= 1, got {self.state_every}")
         if isinstance(self.state_layers, str) and self.state_layers != "all":
             raise ValueError(f"state_layers must be 'all' or a list of target layers, got {self.state_layers!r}")
+        if self.lag_decay <= 0:
+            raise ValueError(f"lag_decay must be > 0, got {self.lag_decay}")
         if self.freeze_backbone and (not self.init_from or self.ar_intermediate < 1):
             raise ValueError("freeze_backbone trains a TreeFlash head on a trained backbone: it needs init_from "
                              "(the backbone) and ar_intermediate > 0")
@@ -116,7 +121,7 @@ def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
                                      target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size,
                                      state_layers=cfg.state_layers or (), reader_rank=cfg.reader_rank,
                                      reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer,
-                                     ar_intermediate=cfg.ar_intermediate)
+                                     ar_intermediate=cfg.ar_intermediate, boundary=cfg.boundary)
 
 
 def sample_anchors(key, B: int, T: int, A: int, W: int):
@@ -148,6 +153,19 @@ def grid_anchors(key, B: int, T: int, A: int, W: int, every: int, evenly: bool =
     return ((jnp.sort(jnp.argsort(u, axis=1)[:, :A], axis=1) + 1) * every).astype(jnp.int32)
 
 
+def cyclic_lags(anchors_BxA, W: int):
+    """DPara's validation boundaries [B, A]: 0, 1, .., W, 0, .. over the anchors (each below its anchor)."""
+    A = anchors_BxA.shape[1]
+    return jnp.minimum(jnp.arange(A, dtype=jnp.int32) % (W + 1), anchors_BxA - 1)
+
+
+def sample_lags(key, anchors_BxA, W: int, decay: float):
+    """DPara's training boundaries [B, A]: g in 0..W with p(g) ~ exp(-g / decay), each below its anchor
+    (block j's round was rooted at a_j - g_j - 1 >= 0)."""
+    g = jax.random.categorical(key, -jnp.arange(W + 1, dtype=jnp.float32) / decay, shape=anchors_BxA.shape)
+    return jnp.minimum(g.astype(jnp.int32), anchors_BxA - 1)
+
+
 def anchors_for(cfg: BlockTrainConfig, hcfg: Bk.BlockConfig, key, B: int, T: int, evenly: bool = False):
     """The anchors of a batch: anywhere (DSpark / DFlash) or on the state grid (ReaDy)."""
     W = hcfg.block_size
@@ -174,18 +192,23 @@ def _target_pass(target, tokens_BxT, hcfg: Bk.BlockConfig, anchors_BxA, every: i
     return sg(Bk.target_features(out)), sg(out.logits), None
 
 
-def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zero_state: bool = False):
+def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zero_state: bool = False, lags_BxA=None):
     """(loss, metrics): the DSpark objective on teacher-forced blocks (`zero_state`: ReaDy's
-    ablation, the reader on zeroed states)."""
+    ablation, the reader on zeroed states; `lags`: DPara's acceptance boundaries, default
+    `cyclic_lags`)."""
     hc = head.config
     W = hc.block_size
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
     if zero_state:
         states = jnp.zeros_like(states)
-    tp = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)  # [B, A, W, V]
+    if hc.boundary and lags_BxA is None:
+        lags_BxA = cyclic_lags(anchors_BxA, W)
+    tp = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states, lags_BxA)  # [B, A, W, V]
     logits, conf = tp.logits, tp.conf
     if cfg.freeze_backbone:  # the TreeFlash head alone learns: the DSpark objective on its conditional rows
         logits, conf = tp.ar, None
+    elif hc.ar_drafts:  # DPara's autoregressive head drafts: it learns with the backbone
+        logits = tp.ar
     B, A = anchors_BxA.shape
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
     p_t = jax.nn.softmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W, -1)
@@ -211,18 +234,19 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     return loss, metrics
 
 
-def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: bool = False):
+def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: bool = False, lags_BxA=None):
     """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None).
-    `zero_state`: ReaDy's ablation, the reader on zeroed states."""
+    `zero_state`: ReaDy's ablation, the reader on zeroed states; `lags`: DPara's boundaries."""
     hc = head.config
     W = hc.block_size
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, every)
     if zero_state:
         states = jnp.zeros_like(states)
-    _, _, h, base, _, _ = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states)
+    _, _, h, base, _, pre = Bk.train_logits(head, target, tokens_BxT, feats, anchors_BxA, states, lags_BxA)
     B, A = anchors_BxA.shape
     anchor_tok = jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)
-    toks, conf = Bk.self_fed_walk(head, base.reshape(B * A, W, -1), h.reshape(B * A, W, -1), anchor_tok.reshape(-1))
+    toks, conf = Bk.self_fed_walk(head, base.reshape(B * A, W, -1), h.reshape(B * A, W, -1), anchor_tok.reshape(-1),
+                                  pre.reshape(B * A, W, -1), target)
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)
     t_arg = jnp.argmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W)
     agree = toks.reshape(B, A, W) == t_arg
@@ -241,15 +265,18 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     def frozen(path) -> bool:  # a TreeFlash run trains its head only
         return cfg.freeze_backbone and "ar_head" not in jax.tree_util.keystr(path)
 
-    def loss_of(params, tokens, anchors, zero_state=False):
+    def loss_of(params, tokens, anchors, zero_state=False, lags=None):
         params = jax.tree_util.tree_map_with_path(lambda p, x: jax.lax.stop_gradient(x) if frozen(p) else x, params)
-        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state)
+        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state,
+                          lags)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, tokens):
         B, T = tokens.shape
-        anchors = anchors_for(cfg, hcfg, jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), B, T)
-        (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors)
+        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        anchors = anchors_for(cfg, hcfg, key, B, T)
+        lags = sample_lags(jax.random.fold_in(key, 1), anchors, hcfg.block_size, cfg.lag_decay) if hcfg.boundary else None
+        (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors, False, lags)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
         new = optax.apply_updates(state["params"], updates)
         new = jax.tree_util.tree_map_with_path(lambda p, n, o: o if frozen(p) else n, new, state["params"])
@@ -260,10 +287,11 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
     def eval_step(params, tokens, zero_state=False):
         B, T = tokens.shape
         anchors = anchors_for(cfg, hcfg, None, B, T, evenly=True)
-        loss, m = loss_of(params, tokens, anchors, zero_state)
+        lags = cyclic_lags(anchors, hcfg.block_size) if hcfg.boundary else None
+        loss, m = loss_of(params, tokens, anchors, zero_state, lags)
         agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors,
-                                            cfg.state_every, zero_state)
-        return loss, m, agree, accepted, conf
+                                            cfg.state_every, zero_state, lags)
+        return loss, m, agree, accepted, conf, lags
 
     def init():
         head = Bk.BlockHead(hcfg, nnx.Rngs(cfg.seed))
@@ -314,9 +342,9 @@ def start_from(head: Bk.BlockHead, path) -> None:
 def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[dict, np.ndarray | None, np.ndarray]:
     """(record, confidence logits [N, W] or None, accepted [N, W]) over the validation windows."""
     n = (len(windows) // batch_size) * batch_size or len(windows)
-    losses, l1, agree_tf, agree, accepted, conf, extra = [], [], [], [], [], [], {}
+    losses, l1, agree_tf, agree, accepted, conf, extra, lags = [], [], [], [], [], [], {}, []
     for i in range(0, n, batch_size):
-        loss, m, ag, acc, cf = eval_step(params, jnp.asarray(windows[i:i + batch_size]), zero_state=zero_state)
+        loss, m, ag, acc, cf, lg = eval_step(params, jnp.asarray(windows[i:i + batch_size]), zero_state=zero_state)
         losses.append(float(loss))
         l1.append(np.asarray(m["l1"]))
         agree_tf.append(np.asarray(m["agree_tf"]))
@@ -328,6 +356,8 @@ def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[
         accepted.append(np.asarray(acc).reshape(-1, W))
         if cf is not None:
             conf.append(np.asarray(cf).reshape(-1, W))
+        if lg is not None:
+            lags.append(np.asarray(lg).reshape(-1))
     agree, accepted = np.concatenate(agree), np.concatenate(accepted)
     rec = {"val_loss": float(np.mean(losses)), "val_l1": np.mean(l1, 0).round(4).tolist(),
            "val_agree_teacher_forced": np.mean(agree_tf, 0).round(4).tolist(),
@@ -336,6 +366,10 @@ def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[
     names = {"agree_tf_markov": "val_agree_teacher_forced_markov", "top4_tf": "val_top4_teacher_forced",
              "top4_tf_markov": "val_top4_teacher_forced_markov"}  # a TreeFlash run: its head's rows and the backbone's
     rec.update({names[k]: np.mean(v, 0).round(4).tolist() for k, v in extra.items()})
+    if lags:  # DPara: the estimate per acceptance boundary the block was precomputed at
+        lags = np.concatenate(lags)
+        rec["val_tau_estimate_by_boundary"] = [round(1.0 + float(accepted[lags == g].sum(1).mean()), 3)
+                                               for g in range(int(lags.max()) + 1) if (lags == g).any()]
     return rec, (np.concatenate(conf) if conf else None), accepted
 
 

@@ -200,19 +200,24 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
                      "(no confidence term: its head is the backbone's)")
     tf_label = ("agreement, previous token teacher-forced (TreeFlash rows)" if cfg.get("freeze_backbone")
                 else "agreement, Markov input teacher-forced")
-    command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{name}"
+    command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{model_dir.name}"
     cal_file = model_dir / "path_calibration.json"
     calib_cmd = "\n" + json.loads(cal_file.read_text())["command"] if cal_file.exists() else ""
     reader_text = _reader_section(dcfg, cfg, info, fmt) if dcfg.get("state_layers") else ""
-    if dcfg.get("ar_intermediate"):
+    if dcfg.get("ar_intermediate") and not dcfg.get("boundary"):
         reader_text += _treeflash_section(model_dir, dcfg, cfg, info, fmt)
         kind = "TreeFlash head on " + kind
     if dcfg.get("state_layers"):
         kind = "ReaDy (" + kind + ", reading the target's recurrent states)"
+    if dcfg.get("boundary"):
+        reader_text += _boundary_section(dcfg, cfg, info, fmt)
+        kind = "DPara (" + kind + ", blocks precomputed for every acceptance boundary)"
+    block_input = (f"MASK x {W}: precomputed before the anchor, the bonus token, exists" if dcfg.get("boundary")
+                   else f"[anchor, MASK x {W - 1}]")
     card = f"""# {name}
 
 One-pass block drafter for `{cfg['target']}` (`specjax/drafters/block.py`, design §5b), {kind}.
-A block of {W} positions ([anchor, MASK x {W - 1}]) is drafted in one forward of {dcfg['num_layers']} decoder
+A block of {W} positions ({block_input}) is drafted in one forward of {dcfg['num_layers']} decoder
 layers (SwiGLU {dcfg['intermediate_size']}, q/k norm, non-causal inside the block) whose keys and values
 are the target's fused hidden states after layers {dcfg['target_layers']} plus the block; the target's
 embedding and LM head are shared (not stored here). {n_params / 1e6:.2f}M parameters of its own, stored
@@ -244,7 +249,7 @@ Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
 ## Reproduce
 ```
 {command}{calib_cmd}
-python -m train.model_card --model models/{name}
+python -m train.model_card --model models/{model_dir.name}
 ```
 """
     return card, {"name": model_dir.name, "config": name, "params": n_params, "bytes": size, "val": final,
@@ -297,6 +302,46 @@ Trained on the frozen backbone `{cfg['init_from']}` (`freeze_backbone`: only the
 objective on its teacher-forced rows). {where} Chains still draft through the Markov head; the head
 fills the conditional rows of `treeflash` trees (`tree="treeflash,nodes=N,m=…,k=…"`).
 {rows}{cal}"""
+
+
+def _boundary_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:
+    """DPara's card section: how its blocks are made and trained, the estimate by acceptance boundary,
+    and the DSpark drafter it started from side by side (where it is in the zoo)."""
+    W = dcfg["block_size"]
+    final = info["final"]
+    rows = [("this model (boundaries 0, 1, .. cycled over the blocks)", final)]
+    target_name = Path(cfg["target"]).name
+    peer = Path(cfg["target"]).parent / f"{target_name}-dspark" / "train_info.json"
+    if not peer.is_absolute():
+        peer = REPO / peer
+    if peer.exists():
+        pinfo = json.loads(peer.read_text())
+        rows.append((f"`{peer.parent.name}` (DSpark: anchor embedded, every context position a target feature)",
+                     pinfo["final"]))
+    table = "\n".join(f"| {n} | {fmt(r['val_accept'])} | {r['val_tau_estimate']:.2f} |" for n, r in rows)
+    by = final.get("val_tau_estimate_by_boundary", [])
+    Ia = dcfg.get("ar_intermediate") or 0
+    light = (f"an autoregressive head, h' = h + D(silu(G)·U) with [U; G] = Linear([norm(E[x_(k−1)]); h]) (width {Ia}), "
+             f"then the LM head and the Markov term, trained with the backbone" if Ia else
+             f"the Markov head (rank {dcfg['markov_rank']})")
+    start = f"started from `{cfg['init_from']}` (the token projection fresh)" if cfg.get("init_from") else "trained from scratch"
+    return f"""
+## Boundary-precomputed blocks (DPara, design §5d)
+While the target verifies a round's draft, the backbone drafts the next round's block for every
+acceptance boundary at once: block n (one per draft node) has {W} MASK positions after node n and sees
+the committed context plus node n and its ancestors, which enter as token embeddings through a learned
+projection (`token_proj`, `token_norm`) in place of the target features they do not have yet; one
+forward, block-diagonal mask. The commit keeps the block of the last accepted node; the next round
+drafts from it through {light} (the bonus token enters there: the block holds no anchor).
+Training: boundary g in 0..{W} per block, p(g) ∝ exp(−g/{cfg.get('lag_decay', 2.0):g}); the block at anchor a (the bonus)
+sees target features before a − g − 1 and tokens a − g − 1 .. a − 1 as embeddings; {start}.
+
+| validation (self-fed) | acceptance by position | τ estimate |
+|---|---|---:|
+{table}
+
+τ estimate by acceptance boundary 0 → {len(by) - 1}: {fmt(by)}.
+"""
 
 
 def _reader_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:

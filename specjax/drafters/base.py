@@ -23,6 +23,9 @@ capabilities (class attributes, read on the host; never a check of the drafter's
     attends              it has attention that FOLD can replace (`with_fold`)
     stops_early          it honours `DraftContext.stop` on chains (drafts depth by depth and can end
                          early, saving the steps it does not run; lm, feature)
+    reads_own_tree       its commit reads `Committed.nodes` against the tree it proposed itself (DPara's
+                         per-node precomputed blocks): a composite that rebuilds or reorders the tree
+                         (TreeGraft, the adaptive shape) refuses it
     drafts_matches       its candidates are copied matches (n-gram), free and unscored: TreeGraft takes
                          its trie as the cheap tree as is (no larger-than-budget expansion by q)
     default_tree         the tree spec used when the caller gives none (default "chain=4"; a block
@@ -111,6 +114,9 @@ class Committed:
     # hybrid target a `HybridCache` whose `state` / `conv` are the recurrent and convolution states
     # after the last accepted token (design §5; ReaDy reads them).
     target: Any = None
+    # tree node indices of `tokens` in this round's proposed tree (the accepted path, root = 0; valid
+    # below `count`): a drafter that precomputed something per node of its own tree reads it (DPara)
+    nodes: Any = None
 
 
 class Drafter(nnx.Module):
@@ -124,6 +130,7 @@ class Drafter(nnx.Module):
     attends: ClassVar[bool] = False
     drafts_matches: ClassVar[bool] = False
     stops_early: ClassVar[bool] = False
+    reads_own_tree: ClassVar[bool] = False
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
 
     # -- the protocol (traced)

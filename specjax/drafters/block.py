@@ -66,6 +66,24 @@ Departures from the ReaDy paper (no public code): one RMSNorm weight per read la
 low-rank U (the paper's reader is low-rank in its query only), and the training states come from
 the target's chunked pass at anchors on a grid (`hybrid.prefix_states`, `train.block`).
 
+DPara (design §5d; `boundary=True`): the backbone leaves the round's critical path. While the target
+verifies this round's draft (N nodes, root included, at positions L + depth), `boundary_pass` drafts
+the next round's block for every node n at once: W MASK queries at L + depth_n + 1 .., seeing the
+committed context and node n with its ancestors as stand-in context (`token_context`: norm(P(E[x])),
+a learned projection of the target's embedding in place of the target features they do not have
+yet), one forward over N*W queries with a block-diagonal mask. It reads nothing the verification
+makes, so the two forwards have no data dependence. `commit` keeps the block of the last accepted
+node (`Committed.nodes`; for a chain, count - 1), and the next round drafts from it through the
+light head only: the LM head on the block, then the Markov walk from the bonus token (the block
+holds no anchor: the Markov head brings it in), or with `ar_intermediate` > 0 (`ar_drafts`) the
+autoregressive head h' = h + D(silu(G) * U) over [norm(E[x_{k-1}]); h] at every position, trained
+with the backbone. `init` makes the first block as every later one: boundary 0 of a round rooted at
+the prompt's last token. Training (`train.block`, `boundary: true`): block j at anchor a_j (the
+bonus) with boundary g_j sees target features before a_j - g_j - 1 and tokens a_j - g_j - 1 ..
+a_j - 1 as stand-ins. Departures (no public code): the stand-ins are token embeddings through one
+projection per drafter (not per boundary); the per-node generalisation drafts trees too; DPara
+does not score other drafters' trees (TreeGraft) and refuses composites that rebuild its tree.
+
 A cut selects one of a few compiled verify widths (`verify_widths`, the engine's `lax.switch`,
 design §3b), so a shorter draft is a cheaper verification, not a masked one.
 
@@ -121,6 +139,9 @@ class BlockConfig:
     reader_layer: int = 1  # the backbone layer whose input gets h + U(o) (num_layers: before the final norm)
     # TreeFlash (design §5e): the autoregressive-approximation head, on when ar_intermediate > 0
     ar_intermediate: int = 0  # I of [U; G] = Linear([norm(E[x_{k-1}]); h_k]) (2E -> 2I), D: I -> E
+    # DPara (design §5d): the next round's block precomputed for every acceptance boundary while the
+    # target verifies; the draft tokens enter the context as token embeddings through `token_proj`
+    boundary: bool = False
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -136,6 +157,9 @@ class BlockConfig:
             raise ValueError(f"confidence_temperatures has {len(t)} entries for block_size {self.block_size}")
         if self.ar_intermediate < 0:
             raise ValueError(f"ar_intermediate must be >= 0 (0: no TreeFlash head), got {self.ar_intermediate}")
+        if self.boundary and self.state_layers:
+            raise ValueError("boundary-precomputed drafting (DPara) is built for a DSpark / DFlash backbone: "
+                             "not with a state reader (ReaDy)")
         if self.state_layers:
             if self.state_shape is None or len(self.state_shape) != 3:
                 raise ValueError("a state reader (state_layers) needs state_shape (H_v, dk, dv) of the target's state")
@@ -153,6 +177,12 @@ class BlockConfig:
         return self.ar_intermediate > 0
 
     @property
+    def ar_drafts(self) -> bool:
+        """DPara with an autoregressive head: the head (`ar_logits`) drafts every position, trained with
+        the backbone (its light head); without one the Markov head does."""
+        return self.boundary and self.has_ar_head
+
+    @property
     def reads_state(self) -> bool:
         """ReaDy: the block reads the target's committed recurrent states."""
         return bool(self.state_layers)
@@ -160,7 +190,7 @@ class BlockConfig:
     @classmethod
     def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
                    target_layers=None, intermediate_size=None, state_layers=(), reader_rank=8, reader_out_rank=64,
-                   reader_layer=1, ar_intermediate=0) -> "BlockConfig":
+                   reader_layer=1, ar_intermediate=0, boundary=False) -> "BlockConfig":
         """`state_layers`: () for DSpark / DFlash; target layer indices of Gated DeltaNet layers, or
         "all" (every one), for ReaDy (a hybrid target only)."""
         L = target_cfg.num_layers
@@ -187,7 +217,7 @@ class BlockConfig:
                    markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
                    rms_norm_eps=target_cfg.rms_norm_eps, state_layers=tuple(state_layers), state_shape=state_shape,
                    reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer,
-                   ar_intermediate=ar_intermediate)
+                   ar_intermediate=ar_intermediate, boundary=boundary)
 
 
 class BlockLayer(nnx.Module):
@@ -260,6 +290,11 @@ class BlockHead(nnx.Module):
             self.confidence_w = self.confidence_b = None
         self.reader = StateReader(cfg, rngs, dtype) if cfg.reads_state else None
         self.ar_head = ARHead(cfg, rngs, dtype) if cfg.has_ar_head else None
+        if cfg.boundary:  # DPara: draft tokens stand in for target features they do not have yet
+            self.token_proj = Linear(E, E, bias=False, rngs=rngs, dtype=dtype)
+            self.token_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
+        else:
+            self.token_proj = self.token_norm = None
 
 
 # ----------------------------------------------------------------------------- layer functions
@@ -281,6 +316,13 @@ def _kv(layer: BlockLayer, cfg: BlockConfig, h_BxTxE, cos, sin):
     return attention_lib.apply_rope(k, cos, sin), v
 
 
+def token_context(head: BlockHead, target, tokens_BxT):
+    """DPara's stand-in context [B, T, E] of tokens whose target features do not exist yet (the
+    round's root and draft): norm(P(E[x])) through the target's frozen embedding."""
+    e = transformer.embed(target, tokens_BxT).astype(head.token_proj.weight.dtype)
+    return rms_norm(head.token_norm, linear(head.token_proj, e))
+
+
 def context_kv(head: BlockHead, c_BxTxE, positions_BxT):
     """Per backbone layer, the context's (k, v) [B, T, K, D] (each layer's own projections)."""
     cos, sin = _cos_sin(head.config, positions_BxT)
@@ -288,11 +330,13 @@ def context_kv(head: BlockHead, c_BxTxE, positions_BxT):
 
 
 def block_input(head: BlockHead, target, anchors_BxA):
-    """[anchor, MASK x (W-1)] per anchor, embedded: [B, A*W, E]."""
+    """[anchor, MASK x (W-1)] per anchor, embedded: [B, A*W, E]. DPara (`boundary`): MASK x W, the
+    anchor (the bonus token) is not known when its block runs; the Markov head brings it in."""
     B, A = anchors_BxA.shape
     W = head.config.block_size
     x = jnp.broadcast_to(head.mask_embed[...], (B, A, W, head.config.hidden_size))
-    x = x.at[:, :, 0].set(transformer.embed(target, anchors_BxA).astype(x.dtype))
+    if not head.config.boundary:
+        x = x.at[:, :, 0].set(transformer.embed(target, anchors_BxA).astype(x.dtype))
     return x.reshape(B, A * W, -1)
 
 
@@ -378,6 +422,15 @@ def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x):
     return position_logits(head, transformer.lm_head(target, rms_norm(head.norm, x)), markov_embed(head, prev_x))
 
 
+def row_logits(head: BlockHead, target, base_xV, pre_xE, h_xE, prev_x):
+    """The logits a drafting step walks at a block position given its previous token: the Markov head
+    b_k + W2(W1[x_{k-1}]) (DSpark; b_k for DFlash), or, for DPara with an autoregressive head
+    (`ar_drafts`), `ar_logits` (base unused: None)."""
+    if head.config.ar_drafts:
+        return ar_logits(head, target, pre_xE, h_xE, prev_x)
+    return position_logits(head, base_xV, markov_embed(head, prev_x))
+
+
 def confidence_logit(head: BlockHead, h_xE, m_xR):
     """w.[h_k; W1[x_{k-1}]] + b, before the sigmoid and the calibration temperature."""
     z = jnp.concatenate([h_xE, m_xR], axis=-1) @ head.confidence_w[...] + head.confidence_b[...]
@@ -400,9 +453,15 @@ class BlockPass(NamedTuple):
     pre: Any  # [B, W, E] before the final norm (TreeFlash's head reads it)
 
 
-def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA, states_LxBxAxHxKxV=None) -> TrainPass:
+def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_BxA, states_LxBxAxHxKxV=None,
+                 lags_BxA=None) -> TrainPass:
     """Training forward over many anchors per sequence (every block in one pass).
     ReaDy: `states` are the target's committed states at each anchor (after tokens < a_j).
+    DPara (`boundary`): `lags` [B, A] are the acceptance boundaries g_j (0 <= g_j < a_j): block j
+    is the one precomputed while the round rooted at a_j - g_j - 1 was verified, its g_j draft tokens
+    all accepted, tokens[a_j] the bonus. It sees target features of positions < a_j - g_j - 1 only,
+    positions a_j - g_j - 1 .. a_j - 1 (root and accepted draft) as `token_context`, and its own W
+    MASK positions; the anchor token reaches it through the Markov head alone.
 
     Block j starts at anchor a_j (its token tokens[a_j]), sees the context positions < a_j and its
     own W positions (non-causal). Position k predicts tokens[a_j + k + 1]; its Markov input is the
@@ -416,13 +475,24 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
     ctx = context_kv(head, c, jnp.broadcast_to(jnp.arange(T)[None], (B, T)))
     pos_BxAxW = anchors_BxA[..., None] + jnp.arange(W)
     Q = A * W
-    sees_ctx = jnp.arange(T)[None, None, :] < jnp.repeat(anchors_BxA, W, axis=1)[..., None]  # [B, Q, T]
     blk = jnp.arange(Q) // W
-    sees_blk = blk[:, None] == blk[None, :]  # [Q, Q]
-    visible = jnp.concatenate([sees_ctx, jnp.broadcast_to(sees_blk[None], (B, Q, Q))], axis=-1)
+    sees_blk = jnp.broadcast_to((blk[:, None] == blk[None, :])[None], (B, Q, Q))
+    t = jnp.arange(T)[None, None, :]
+    anchor_BxQx1 = jnp.repeat(anchors_BxA, W, axis=1)[..., None]
+    if cfg.boundary:
+        if lags_BxA is None:
+            raise ValueError("a DPara block drafter (boundary) trains on acceptance boundaries: pass lags")
+        root_BxQx1 = jnp.repeat(anchors_BxA - lags_BxA - 1, W, axis=1)[..., None]
+        tok_ctx = context_kv(head, token_context(head, target, tokens_BxT), jnp.broadcast_to(jnp.arange(T)[None], (B, T)))
+        visible = jnp.concatenate([t < root_BxQx1, (t >= root_BxQx1) & (t < anchor_BxQx1), sees_blk], axis=-1)
+    else:
+        tok_ctx = None
+        visible = jnp.concatenate([t < anchor_BxQx1, sees_blk], axis=-1)  # [B, Q, T + Q]
 
     def attend(i, q, k, v):
         kc, vc = ctx[i]
+        if tok_ctx is not None:
+            kc, vc = jnp.concatenate([kc, tok_ctx[i][0]], axis=1), jnp.concatenate([vc, tok_ctx[i][1]], axis=1)
         return attention_lib.attend(q, jnp.concatenate([kc, k], axis=1), jnp.concatenate([vc, v], axis=1), visible)
 
     if head.reader is not None and states_LxBxAxHxKxV is None:
@@ -439,14 +509,16 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
     return TrainPass(logits, conf, h, base, ar, pre.reshape(B, A, W, -1))
 
 
-def self_fed_walk(head: BlockHead, base_BxWxV, h_BxWxE, anchor_B):
-    """Greedy Markov walk with the drafter's own previous token (how drafting runs): tokens [B, W],
-    confidence logits [B, W] (None without the head)."""
+def self_fed_walk(head: BlockHead, base_BxWxV, h_BxWxE, anchor_B, pre_BxWxE=None, target=None):
+    """Greedy walk with the drafter's own previous token (how drafting runs; `row_logits`: `pre` and
+    `target` for an autoregressive DPara head): tokens [B, W], confidence logits [B, W] (None without
+    the head)."""
     W = head.config.block_size
     prev, toks, confs = anchor_B, [], []
     for k in range(W):
         m = markov_embed(head, prev)
-        x = jnp.argmax(position_logits(head, base_BxWxV[:, k], m), axis=-1).astype(jnp.int32)
+        pre_k = None if pre_BxWxE is None else pre_BxWxE[:, k]
+        x = jnp.argmax(row_logits(head, target, base_BxWxV[:, k], pre_k, h_BxWxE[:, k], prev), axis=-1).astype(jnp.int32)
         if head.config.confidence:
             confs.append(confidence_logit(head, h_BxWxE[:, k], m))
         toks.append(x)
@@ -508,6 +580,11 @@ class BlockState:
     # ReaDy: the target's committed delta-rule states at the read layers, after the last committed
     # token [L_read, B, H_v, dk, dv] float32 (None without a reader)
     target_state: Any = None
+    # DPara: this round's block [B, W, E] (hidden states before the final norm; chosen at the last commit among the
+    # boundary blocks), and during a round the next round's candidates, one block per draft node
+    # [B, N, W, E] (set by propose, consumed by commit; None between rounds)
+    block: Any = None
+    boundary: Any = None
 
 
 def target_features(out):
@@ -525,7 +602,18 @@ class BlockDrafter(heads.HeadDrafter):
     verify budget."""
     name = "block"
     gives_q = True
-    can_score = True  # its q at a node depends on the block and the node's own token only: exact, one pass
+
+    @property
+    def can_score(self) -> bool:
+        """Its q at a node depends on the block and the node's own token only: exact, one pass. DPara
+        cannot: its block is precomputed from its own previous draft (it drafts its own trees only)."""
+        return not self.head.config.boundary
+
+    @property
+    def reads_own_tree(self) -> bool:
+        """DPara's commit picks the next block by the accepted node of its own proposed tree
+        (`Committed.nodes`): a composite that rebuilds or reorders the tree cannot wrap it."""
+        return self.head.config.boundary
 
     @property
     def default_tree(self) -> str:
@@ -594,6 +682,9 @@ class BlockDrafter(heads.HeadDrafter):
         if isinstance(spec, tree_lib.BestFirstTree):
             if spec.depth is None:
                 raise ValueError("an unresolved best-first tree: call the drafter's resolve_tree first")
+            if self.head.config.ar_drafts:
+                raise ValueError("a best-first tree is drafted from Markov or TreeFlash tables; this DPara drafter "
+                                 "drafts through its autoregressive head: use a chain, a path list or a dynamic tree")
             if rule in SAMPLED_RULES:
                 raise ValueError(f"a best-first tree's children are the top-k of its tables (deterministic "
                                  f"candidates): use verify='deterministic' (or greedy), not {rule!r}")
@@ -615,7 +706,7 @@ class BlockDrafter(heads.HeadDrafter):
                                      f"{self.verify_widths(spec)}")
             elif self.costs is not None:
                 raise ValueError("costs choose a best-first tree's budget with select=taps only")
-            return W
+            return self.scratch_slots(spec.num_nodes)
         super().check_tree(spec, rule)
         if spec.max_depth > W:
             raise ValueError(f"tree depth {spec.max_depth} is deeper than the block drafter's block ({W} positions): "
@@ -625,7 +716,13 @@ class BlockDrafter(heads.HeadDrafter):
                              "needs confidence='off'")
         if self.confidence == "schedule" and len(self.costs) != len(self.verify_widths(spec)):
             raise ValueError(f"costs has {len(self.costs)} entries for the verify widths {self.verify_widths(spec)}")
-        return W  # the block's scratch slots past the context
+        return self.scratch_slots(spec.num_nodes)
+
+    def scratch_slots(self, num_nodes: int) -> int:
+        """Slots past the committed context a round writes: the block's W (DSpark); DPara: a stand-in
+        slot per draft node and a block of W per node."""
+        W = self.head.config.block_size
+        return num_nodes * (W + 1) if self.head.config.boundary else W
 
     def verify_widths(self, spec) -> tuple[int, ...]:
         if isinstance(spec, tree_lib.BestFirstTree):
@@ -658,8 +755,60 @@ class BlockDrafter(heads.HeadDrafter):
         if self.head.config.reads_state and getattr(target_out, "cache", None) is None:
             raise ValueError("a ReaDy drafter reads the target's state after the prefill: target_out.cache is None")
         z = jnp.zeros((B,), jnp.int32)
-        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z,
-                          self._read_state(target_out.cache))
+        feats = target_features(target_out)
+        if not self.head.config.boundary:
+            return BlockState(self._extend(self._empty_cache(B, capacity), feats, lengths_B), z,
+                              self._read_state(target_out.cache))
+        # DPara: the first round's block as every later one is made, the boundary a = 0 of a round
+        # rooted at the prompt's last token (context: the features before it; the token: a stand-in)
+        last_B = jnp.maximum(lengths_B - 1, 0)
+        cache = self._extend(self._empty_cache(B, capacity), feats, last_B)
+        tok_Bx1 = jnp.take_along_axis(prompt_BxP, last_B[:, None], axis=1)
+        blocks, cache = self.boundary_pass(cache, tok_Bx1, jnp.zeros((B, 1), jnp.int32), jnp.ones((B, 1, 1), bool))
+        cache = self._extend(cache, jnp.take_along_axis(feats, last_B[:, None, None], axis=1), (lengths_B > 0).astype(jnp.int32))
+        return BlockState(cache, z, None, block=blocks[:, 0])
+
+    def boundary_pass(self, cache: KVCache, tokens_BxN, depth_BxN, ancestors_BxNxN):
+        """DPara's backbone pass (design §5d): for every node n of this round's draft tree, the block
+        the next round drafts from if n is the last accepted node: W MASK queries at positions
+        length + depth_n + 1 .., seeing the committed context and, as `token_context` stand-ins at
+        slots length + (0..N-1), node n and its ancestors (the root and the accepted draft); one
+        forward over N*W queries under a block-diagonal mask. It reads nothing verification makes, so
+        XLA is free to run it beside the target's verification forward. Returns the blocks' hidden
+        states before the final norm [B, N, W, E] and the cache with the stand-ins and blocks in its scratch slots
+        (length unchanged; commit overwrites them)."""
+        head, cfg = self.head, self.head.config
+        B, N = tokens_BxN.shape
+        W = cfg.block_size
+        tok_pos = cache.length[:, None] + depth_BxN
+        tok_kv = context_kv(head, token_context(head, self.target, tokens_BxN), tok_pos)
+        pos = (tok_pos[:, :, None] + 1 + jnp.arange(W)).reshape(B, N * W)
+        node = jnp.arange(N * W) // W
+        sees_blk = jnp.broadcast_to((node[:, None] == node[None, :])[None], (B, N * W, N * W))
+        mask = jnp.concatenate([jnp.repeat(ancestors_BxNxN, W, axis=1), sees_blk], axis=-1)  # [B, NW, N + NW]
+        bound = attention_lib.DENSE.bind(cache, pos, mask)
+        after = jnp.full((B,), N, jnp.int32)
+
+        def attend(i, q, k, v):
+            nonlocal cache
+            cache = kvcache.write(cache, i, *tok_kv[i])  # stand-ins at slots length .. length+N-1
+            cache = kvcache.write(cache, i, k, v, offset_B=after)  # the blocks after them
+            return bound(q, cache, i)
+
+        x = jnp.broadcast_to(head.mask_embed[...], (B, N * W, cfg.hidden_size))
+        _, pre = backbone(head, x, pos, attend)
+        return pre.reshape(B, N, W, -1), cache
+
+    def block_pass(self, state: BlockState, root_B) -> BlockPass:
+        """This round's block: DSpark's backbone pass (`draft_block`); DPara's block chosen at the last
+        commit, through the LM head (the backbone does not run on the round's critical path)."""
+        if not self.head.config.boundary:
+            return self.draft_block(state, root_B)
+        if state.block is None:
+            raise ValueError("this DPara drafter's state holds no block: make it with this drafter's init")
+        h = rms_norm(self.head.norm, state.block)
+        base = None if self.head.config.ar_drafts else transformer.lm_head(self.target, h)  # the AR head makes its own
+        return BlockPass(base, h, state.cache, state.block)
 
     def draft_block(self, state: BlockState, root_B):
         """The backbone pass: base logits [B, W, V], final hidden states [B, W, E], and the cache with
@@ -683,22 +832,32 @@ class BlockDrafter(heads.HeadDrafter):
         return BlockPass(transformer.lm_head(self.target, h), h, cache, pre)
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
+        prop = self._draft(state, self.block_pass(state, root_B), root_B, ctx)
+        if not self.head.config.boundary:
+            return prop
+        t = prop.tree  # DPara: the next round's candidate blocks, one per node of this draft
+        blocks, cache = self.boundary_pass(prop.state.cache, t.tokens, t.depth,
+                                           tree_lib.ancestor_mask(t, ctx.spec.max_depth))
+        return dataclasses.replace(prop, state=dataclasses.replace(prop.state, cache=cache, boundary=blocks))
+
+    def _draft(self, state: BlockState, blk: BlockPass, root_B, ctx: DraftContext) -> Proposal:
         cfg = self.head.config
         d = ctx.spec.max_depth
         B = root_B.shape[0]
-        base, h, cache, pre = self.draft_block(state, root_B)
+        base, h, cache, pre = blk
         if isinstance(ctx.spec, tree_lib.BestFirstTree):
             return self._propose_best_first(state, cache, base, h, pre, root_B, ctx)
         if not is_chain(ctx.spec):
-            return self._propose_tree(state, cache, base, root_B, ctx)
+            return self._propose_tree(state, cache, blk, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
         temps = jnp.asarray(cfg.confidence_temperatures or (1.0,) * cfg.block_size, jnp.float32)
-        V = base.shape[-1]
+        V = self.vocab_size
 
         def walk(k, carry):  # the Markov walk, the only sequential part: one step per position, in a loop
             prev, toks, logqs, probs, confs = carry
             m = markov_embed(self.head, prev)
-            logits = position_logits(self.head, base[:, k], m)
+            at = lambda x: None if x is None else x[:, k]  # noqa: E731
+            logits = row_logits(self.head, self.target, at(base), at(pre), h[:, k], prev)
             lq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             if ctx.mode == "topk":
                 x = jnp.argmax(lq, -1).astype(jnp.int32)
@@ -719,13 +878,14 @@ class BlockDrafter(heads.HeadDrafter):
         st = dataclasses.replace(state, cache=cache, drafted=drafted)
         return Proposal(tree=tree, probs=probs, state=st)
 
-    def _propose_tree(self, state: BlockState, cache, base_BxWxV, root_B, ctx: DraftContext) -> Proposal:
+    def _propose_tree(self, state: BlockState, cache, blk: BlockPass, root_B, ctx: DraftContext) -> Proposal:
         """A static or dynamic tree from the one backbone pass: a node at depth d holding token x
         gets the children of b_d + W2(W1[x]), the Markov head's exact conditional row (DFlash: the
-        marginal b_d for every node of the depth). `tree.expand` runs the (cheap) head depth by
-        depth; the backbone is not run again."""
+        marginal b_d for every node of the depth; DPara with an autoregressive head: its row given x).
+        `tree.expand` runs the (cheap) head depth by depth; the backbone is not run again."""
         def evaluate(st, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
-            logits = position_logits(self.head, base_BxWxV[:, depth][:, None], markov_embed(self.head, tokens_BxF))
+            at = lambda x: None if x is None else x[:, depth][:, None]  # noqa: E731
+            logits = row_logits(self.head, self.target, at(blk.base), at(blk.pre), at(blk.hidden), tokens_BxF)
             logits = jnp.broadcast_to(logits, tokens_BxF.shape + logits.shape[-1:])
             if ctx.mode == "topk":
                 return jax.nn.log_softmax(logits, axis=-1), st
@@ -810,6 +970,9 @@ class BlockDrafter(heads.HeadDrafter):
         (the exact distribution this drafter would draft from there). Past the block (d >= W) q is
         uniform. The state is not changed."""
         W = self.head.config.block_size
+        if self.head.config.boundary:
+            raise ValueError("a DPara drafter drafts from a block precomputed for its own previous draft: it cannot "
+                             "score another drafter's tree (can_score=False)")
         base = self.draft_block(state, tree.tokens[:, 0]).base
         d = jnp.clip(tree.depth, 0, W - 1)
         logits = position_logits(self.head, jnp.take_along_axis(base, d[..., None], axis=1),
@@ -828,6 +991,14 @@ class BlockDrafter(heads.HeadDrafter):
 
     def commit(self, state: BlockState, committed: Committed) -> BlockState:
         st = dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
+        if self.head.config.boundary:  # DPara: the next block is the one of the last accepted node
+            if state.boundary is None:
+                raise ValueError("a DPara drafter commits after its own propose (the boundary blocks are made there)")
+            last = jnp.maximum(committed.count - 1, 0)[:, None]
+            node = last if committed.nodes is None else jnp.take_along_axis(committed.nodes, last, axis=1)
+            block = jnp.take_along_axis(state.boundary, node[:, :, None, None], axis=1)[:, 0]
+            block = jnp.where((committed.count > 0)[:, None, None], block, state.block)  # a finished row stands still
+            st = dataclasses.replace(st, block=block, boundary=None)
         if state.target_state is not None:  # a finished row's committed state stands still, like its cache
             if committed.target is None:
                 raise ValueError("a ReaDy drafter commits the target's committed state: Committed.target is None")
