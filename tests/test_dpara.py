@@ -83,10 +83,11 @@ def test_greedy_equals_autoregressive(trained, batch):
     prompts = [data[i, :n].tolist() for i, n in zip(range(batch), (6, 9, 7, 12))]
     ref = specjax.generate(target, prompts, max_new_tokens=24).sequences()
     taus = []
-    for conf, tree in (("off", None), (0.6, None), ("off", "depth=3,topk=2,nodes=7")):
-        got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target, confidence=conf)],
-                               tree=tree)
-        assert got.sequences() == ref, (conf, tree)
+    # boundaries=2: a chain precomputes boundaries 0, 1; a round accepting more makes its block after the fact
+    for conf, tree, b in (("off", None, None), (0.6, None, None), ("off", None, 2), ("off", "depth=3,topk=2,nodes=7", None)):
+        got = specjax.generate(target, prompts, max_new_tokens=24,
+                               drafters=[BlockDrafter(head, target, confidence=conf, boundaries=b)], tree=tree)
+        assert got.sequences() == ref, (conf, tree, b)
         taus.append(float(np.mean(got.stats["tau"])))
     assert max(taus) > 1.3  # the boundary blocks draft: tokens are accepted
 
@@ -121,3 +122,31 @@ def test_refusals(trained):
             specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafters=[d], tree="ddtree,nodes=4")
     with pytest.raises(ValueError, match="score another drafter's tree"):
         d.score(None, None)
+    with pytest.raises(ValueError, match="boundaries"):
+        BlockDrafter(dspark.head, target, boundaries=2)
+
+
+def test_boundaries_beyond_the_precomputed_ones_give_the_same_block():
+    """With boundaries=2, a round that accepts 3 draft tokens makes the block of its last accepted
+    node after the verification: the same block as when every boundary is precomputed."""
+    target = tiny_target(VOCAB)
+    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=8, boundary=True)
+    head = BlockHead(cfg, nnx.Rngs(4))
+    fam = family(target)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 30)), jnp.int32)
+    pre = fam.prefill(target, toks, jnp.asarray([12]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
+    out = fam.forward(target, toks, jnp.arange(30)[None], fam.init_cache(target, 1, 30),
+                      jnp.tril(jnp.ones((1, 30, 30), bool)), hidden_layers=cfg.target_layers)
+    feats = jnp.concatenate(out.hidden, -1)
+    blocks = []
+    for b in (None, 2):
+        d = BlockDrafter(head, target, boundaries=b)
+        st = d.init(toks, jnp.asarray([12]), 64, pre)
+        n = 5 if b is None else b
+        chain = jnp.tril(jnp.ones((1, 5, 5), bool))[:, :n, :n]
+        bl, cache = d.boundary_pass(st.cache, toks[:, 12:12 + n], jnp.arange(n)[None], chain)
+        st = d.commit(dataclasses.replace(st, cache=cache, boundary=bl),
+                      Committed(tokens=toks[:, 12:17], count=jnp.asarray([4]), positions=jnp.arange(12, 17)[None],
+                                features=feats[:, 12:17]))
+        blocks.append(np.asarray(st.block))
+    np.testing.assert_allclose(blocks[1], blocks[0], atol=2e-5)

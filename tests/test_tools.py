@@ -48,9 +48,9 @@ def test_bench_critical_path_smoke(tmp_path):
     """tools/bench_critical_path.py --smoke: DSpark and DPara split along their critical paths."""
     import bench_critical_path
     out = tmp_path / "cp"
-    r = bench_critical_path.main(["--smoke", "--out", str(out)])
+    r = bench_critical_path.main(["--smoke", "--boundaries", "2", "--out", str(out)])
     rows = {x["drafter"]: x for x in r["rows"]}
-    assert set(rows) == {"dspark", "dpara"} and rows["dpara"]["dpara"] and not rows["dspark"]["dpara"]
+    assert set(rows) == {"dspark", "dpara", "dpara boundaries=2"} and rows["dpara"]["dpara"] and not rows["dspark"]["dpara"]
     for x in rows.values():
         assert all(v > 0 for k, v in x["ms"].items() if k in ("whole round", "drafter backbone pass",
                                                                 "drafter head (block -> draft)"))

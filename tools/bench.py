@@ -63,6 +63,7 @@ from train.lm import repo_relative  # noqa: E402  (paths written down relative t
 from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
 
 NEAR_TIE = 1e-4
+DPARA_BOUNDARIES = (2, 4)  # DPara chains that precompute only the first b boundaries (the rest after the fact)
 BLOCK_TREE = (6, 4, 16)  # a block drafter's tree row: depth (at most its block), top-k, nodes
 
 
@@ -76,6 +77,7 @@ class Method:
     confidence: object = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
+    boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -95,6 +97,9 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
         out += [Method(base, name, chain, confidence=conf, costs=costs),
                 Method(f"{base} T=1", name, chain, 1.0, confidence=conf, costs=costs),
                 Method(f"{base} T=1 sampled", name, chain, 1.0, verify="sampled", confidence=conf, costs=costs)]
+    if drafter.head.config.boundary:
+        out += [Method(f"{name} {chain} boundaries={b}", name, chain, boundaries=b)
+                for b in DPARA_BOUNDARIES if b < drafter.head.config.block_size]
     if drafter.head.config.reads_state:
         out += [Method(f"{name} {chain} zero-state", name, chain, zero_state=True),
                 Method(f"{name} {chain} zero-state T=1", name, chain, 1.0, zero_state=True)]
@@ -178,11 +183,11 @@ def warmup_groups(groups):
 def method_drafter(target, drafters, m: Method):
     """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
     d = drafters[m.drafter]
-    if m.confidence != "off" or m.costs is not None or m.zero_state:
+    if m.confidence != "off" or m.costs is not None or m.zero_state or m.boundaries is not None:
         if not isinstance(d, BlockDrafter):
-            raise ValueError(f"method {m.name!r}: a confidence cut or a zeroed state needs a block drafter")
+            raise ValueError(f"method {m.name!r}: a confidence cut, a zeroed state or boundaries need a block drafter")
         d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs, zero_state=m.zero_state,
-                         path_calibration=d.path_calibration)
+                         path_calibration=d.path_calibration, boundaries=m.boundaries)
     return d
 
 

@@ -72,6 +72,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--drafter", action="append", default=None, metavar="NAME=DIR",
                     help="block drafters (default: dspark=TARGET-dspark, dpara=TARGET-dpara)")
     ap.add_argument("--tree", default=None, help="the tree (default: each drafter's chain of its block)")
+    ap.add_argument("--boundaries", default="", metavar="B,B,...",
+                    help="also each DPara drafter precomputing only the first B boundaries of its chain")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loops", type=int, default=16)
@@ -88,18 +90,22 @@ def main(argv=None) -> dict:
     target, drafters, prompt, label = setup(args)
     measured = bench_rows(args.bench) if args.bench else {}
     rows = []
-    for name, d in drafters.items():
+    variants = [(name, d, "") for name, d in drafters.items()]
+    for b in [int(x) for x in args.boundaries.split(",") if x]:
+        variants += [(name, BlockDrafter(d.head, target, boundaries=b), f" boundaries={b}")
+                     for name, d in drafters.items() if d.head.config.boundary]
+    for name, d, suffix in variants:
         tree = args.tree or f"chain={d.head.config.block_size}"
         ms = stage_split(target, d, prompt, tree, args.repeats, loops=args.loops)
         dpara = d.head.config.boundary
         cp = critical_path(ms, dpara)
-        row = {"drafter": name, "tree": tree, "dpara": dpara, "ms": ms, "critical_path": cp}
-        b = measured.get(f"{name} {tree}")
+        row = {"drafter": name + suffix, "tree": tree, "dpara": dpara, "ms": ms, "critical_path": cp}
+        b = measured.get(f"{name} {tree}{suffix}")
         if b is not None:
             row.update(tau=b["tau"], tokens_per_s=b["tokens_per_s"],
                        tokens_per_s_full_overlap=b["tokens_per_s"] * cp["measured round"] / cp["round with full overlap"])
         rows.append(row)
-        print(f"[critical path] {name} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in cp.items()), file=sys.stderr)
+        print(f"[critical path] {name}{suffix} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in cp.items()), file=sys.stderr)
     dev = jax.devices()[0]
     meta = {"setup": label, "device": f"{dev.platform} ({cpu_model() if dev.platform == 'cpu' else dev.device_kind})",
             "context": args.context, "repeats": args.repeats, "loops": args.loops,

@@ -253,11 +253,12 @@ def block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per,
     from specjax.drafters.block import BlockPass
     d0 = nnx.merge(graphdef, state)[1]
     dpara = d0.head.config.boundary
+    n = d0.precomputed(ctx.spec) if dpara else 0  # DPara: the nodes whose blocks are precomputed
     anc = tree_lib.ancestor_mask(tree, D)
 
     def backbone(d, dcache, i):
         if dpara:
-            h, dcache = d.boundary_pass(dcache, touch(tree.tokens, i), tree.depth, anc)
+            h, dcache = d.boundary_pass(dcache, touch(tree.tokens[:, :n], i), tree.depth[:, :n], anc[:, :n, :n])
             return dcache, jnp.sum(h)
         b = d.draft_block(dataclasses.replace(carry.dstate, cache=dcache), touch(carry.root, i))
         return b.cache, jnp.sum(b.base)  # its LM head too: DSpark's base logits come out of its backbone pass

@@ -620,9 +620,13 @@ class BlockDrafter(heads.HeadDrafter):
         return f"chain={self.head.config.block_size}"
 
     def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False,
-                 path_calibration: PathCalibration | None = None):
+                 path_calibration: PathCalibration | None = None, boundaries: int | None = None):
         cfg = head.config
         self.check_target(cfg, target, "block")
+        if boundaries is not None and (not cfg.boundary or int(boundaries) < 1):
+            raise ValueError("boundaries (how many acceptance boundaries of a chain DPara precomputes) is a DPara "
+                             f"option, >= 1; got {boundaries!r} for a {'DPara' if cfg.boundary else 'non-DPara'} drafter")
+        self.boundaries = None if boundaries is None else int(boundaries)
         self.state_index = check_state_target(cfg, target)  # ReaDy: the read layers' indices in the target's state
         if zero_state and not cfg.reads_state:
             raise ValueError("zero_state is ReaDy's ablation (the reader on a zeroed state); this block drafter "
@@ -836,9 +840,18 @@ class BlockDrafter(heads.HeadDrafter):
         if not self.head.config.boundary:
             return prop
         t = prop.tree  # DPara: the next round's candidate blocks, one per node of this draft
-        blocks, cache = self.boundary_pass(prop.state.cache, t.tokens, t.depth,
-                                           tree_lib.ancestor_mask(t, ctx.spec.max_depth))
+        n = self.precomputed(ctx.spec)
+        blocks, cache = self.boundary_pass(prop.state.cache, t.tokens[:, :n], t.depth[:, :n],
+                                           tree_lib.ancestor_mask(t, ctx.spec.max_depth)[:, :n, :n])
         return dataclasses.replace(prop, state=dataclasses.replace(prop.state, cache=cache, boundary=blocks))
+
+    def precomputed(self, spec) -> int:
+        """DPara: how many nodes of a round's tree get their next block beside the verification: every
+        node, or on a chain with `boundaries` = b the first b (acceptance boundaries 0 .. b-1); a round
+        that accepts more runs the boundary pass of its accepted path after the verification."""
+        if self.boundaries is None or not is_chain(spec):
+            return spec.num_nodes
+        return min(self.boundaries, spec.num_nodes)
 
     def _draft(self, state: BlockState, blk: BlockPass, root_B, ctx: DraftContext) -> Proposal:
         cfg = self.head.config
@@ -996,7 +1009,19 @@ class BlockDrafter(heads.HeadDrafter):
                 raise ValueError("a DPara drafter commits after its own propose (the boundary blocks are made there)")
             last = jnp.maximum(committed.count - 1, 0)[:, None]
             node = last if committed.nodes is None else jnp.take_along_axis(committed.nodes, last, axis=1)
-            block = jnp.take_along_axis(state.boundary, node[:, :, None, None], axis=1)[:, 0]
+            n = state.boundary.shape[1]
+            block = jnp.take_along_axis(state.boundary, jnp.minimum(node, n - 1)[:, :, None, None], axis=1)[:, 0]
+            if n < committed.tokens.shape[1]:  # a chain's boundaries past the precomputed ones: after the fact
+                beyond = (node[:, 0] >= n) & (committed.count > 0)
+                T = committed.tokens.shape[1]
+
+                def late(_):
+                    path = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+                    blocks, _ = self.boundary_pass(state.cache, committed.tokens, jnp.broadcast_to(jnp.arange(T), (
+                        committed.tokens.shape[0], T)), jnp.broadcast_to(path[None], (committed.tokens.shape[0], T, T)))
+                    return jnp.take_along_axis(blocks, node[:, :, None, None], axis=1)[:, 0]
+
+                block = jnp.where(beyond[:, None, None], jax.lax.cond(jnp.any(beyond), late, lambda _: block, None), block)
             block = jnp.where((committed.count > 0)[:, None, None], block, state.block)  # a finished row stands still
             st = dataclasses.replace(st, block=block, boundary=None)
         if state.target_state is not None:  # a finished row's committed state stands still, like its cache
