@@ -100,6 +100,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "verifies the whole chain or tree; a threshold in (0, 1) stops each row's draft before its first "
                         "position of lower confidence; 'schedule' picks the draft lengths that maximise expected "
                         "tokens per second from a measured cost per verify width (--verify-profile)")
+    p.add_argument("--boundaries", type=int, default=None, metavar="B",
+                   help="a DPara drafter's chain precomputes only its first B acceptance boundaries beside the "
+                        "verification (the rest after it, in the rounds that reach them); default: every one")
     p.add_argument("--verify-profile", default=None, metavar="FILE",
                    help="with --confidence schedule: the verify-width cost profile of this machine, written by "
                         "tools/profile_widths.py (default: bench/verify_profile_<model dir name>.json in the current "
@@ -245,6 +248,16 @@ def run_generate(args: argparse.Namespace) -> int:
                     for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None
+    if args.boundaries is not None:
+        from specjax.drafters import BlockDrafter
+        if len(drafters) != 1 or not isinstance(drafters[0], BlockDrafter) or not drafters[0].head.config.boundary:
+            raise UsageError("--boundaries is a DPara drafter's option: give one DPara --drafter")
+        d = drafters[0]
+        try:
+            drafters = [BlockDrafter(d.head, model, confidence=d.confidence, costs=d.costs, widths=d.widths,
+                                     path_calibration=d.path_calibration, boundaries=args.boundaries)]
+        except ValueError as e:
+            raise UsageError(f"--boundaries: {e}") from None
     if args.treegraft is not None:
         if len(drafters) != 2:
             raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")

@@ -287,9 +287,9 @@ def block_dirs(tmp_path_factory, loaded):
     from specjax.drafters.block import BlockConfig, BlockHead, save_block_head
     model, _ = loaded
     out = {}
-    for name, rank in (("dspark", 8), ("dflash", 0)):
-        head = BlockHead(BlockConfig.for_target(model.config, block_size=4, num_layers=1, markov_rank=rank),
-                         nnx.Rngs(0))
+    for name, rank, boundary in (("dspark", 8, False), ("dflash", 0, False), ("dpara", 8, True)):
+        head = BlockHead(BlockConfig.for_target(model.config, block_size=4, num_layers=1, markov_rank=rank,
+                                                boundary=boundary), nnx.Rngs(0))
         if head.confidence_w is not None:
             w = head.confidence_w.get_value()
             head.confidence_w.set_value(0.5 * jax.random.normal(jax.random.key(3), w.shape, w.dtype))
@@ -329,6 +329,19 @@ def test_block_drafter_confidence(capsys, tmp_path, monkeypatch, model_dir, load
     assert sched2["tokens"] == sched["tokens"]
     expect_usage_error(capsys, base[:-1] + ["chain=3", "--confidence", "schedule", "--verify-profile",
                                             str(profile)], "rerun python tools/profile_widths.py")
+
+
+def test_dpara_drafter_and_boundaries(capsys, model_dir, loaded, block_dirs):
+    """A DPara drafter from the command line, every boundary precomputed or the first 2: the greedy tokens."""
+    model, tok = loaded
+    ref = specjax.generate(model, [tok.encode("def add(a, b):").ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    base = ["--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N), "--ignore-eos",
+            "--drafter", block_dirs["dpara"]]
+    for extra in ([], ["--boundaries", "2"]):
+        [out] = run_json(capsys, *base, *extra)
+        assert out["tokens"] == ref
+    expect_usage_error(capsys, base[:-1] + [block_dirs["dspark"], "--boundaries", "2"], "DPara")
+    expect_usage_error(capsys, base + ["--boundaries", "0"], ">= 1")
 
 
 def test_block_drafter_confidence_usage_errors(capsys, tmp_path, model_dir, block_dirs):
