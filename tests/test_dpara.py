@@ -89,6 +89,11 @@ def test_greedy_equals_autoregressive(trained, batch):
                                drafters=[BlockDrafter(head, target, confidence=conf, boundaries=b)], tree=tree)
         assert got.sequences() == ref, (conf, tree, b)
         taus.append(float(np.mean(got.stats["tau"])))
+    if not head.config.ar_drafts:  # a best-first tree from the Markov tables: one block per node too
+        got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target)],
+                               tree="ddtree,nodes=6")
+        assert got.sequences() == ref
+        taus.append(float(np.mean(got.stats["tau"])))
     assert max(taus) > 1.3  # the boundary blocks draft: tokens are accepted
 
 

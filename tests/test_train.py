@@ -370,7 +370,7 @@ def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full
         _block_cfg(zoo, full_run, freeze_backbone=True, ar_intermediate=16)
     # DPara: boundary blocks, initialised from the DSpark export (its token projection fresh)
     dp_cfg = _block_cfg(zoo, full_run, name="tiny-dpara", init_from=str(zoo["base"] / "blk-export"), boundary=True,
-                        steps=4, eval_every=4)
+                        anchors=5, steps=4, eval_every=4)  # 5 anchors: validation cycles boundaries 0..4
     block.train(dp_cfg, zoo["base"] / "dp-run", zoo["base"] / "dp-export", progress=False)
     dp_info = json.loads((zoo["base"] / "dp-export" / "train_info.json").read_text())
     assert len(dp_info["final"]["val_tau_estimate_by_boundary"]) == 5  # boundaries 0..W

@@ -223,7 +223,7 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
             row["mean_draft_len"] = drafted / max(int(rounds.sum()), 1)
         if draft_ms is not None:
             mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
-            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state)
+            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries)
             if key not in draft_ms:
                 draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
                                                      mode=mode)

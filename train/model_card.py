@@ -214,7 +214,7 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
         kind = "DPara (" + kind + ", blocks precomputed for every acceptance boundary)"
     block_input = (f"MASK x {W}: precomputed before the anchor, the bonus token, exists" if dcfg.get("boundary")
                    else f"[anchor, MASK x {W - 1}]")
-    card = f"""# {name}
+    card = f"""# {model_dir.name}
 
 One-pass block drafter for `{cfg['target']}` (`specjax/drafters/block.py`, design §5b), {kind}.
 A block of {W} positions ({block_input}) is drafted in one forward of {dcfg['num_layers']} decoder

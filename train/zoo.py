@@ -78,7 +78,8 @@ def record_for(d: Path, targets: dict) -> dict:
         tok = load_tokenizer(str(target_dir))
         kind = json.loads((d / "drafter_config.json").read_text())["drafter"]  # feature | block
         rec.update(kind=kind, target=target_dir.name, draft_chain=draft_chain(d, target, prompt_ids(tok)))
-        if json.loads((d / "drafter_config.json").read_text()).get("ar_intermediate"):
+        dcfg = json.loads((d / "drafter_config.json").read_text())
+        if dcfg.get("ar_intermediate") and not dcfg.get("boundary"):  # a TreeFlash head: its best-first tree too
             rec["draft_tree"] = draft_chain(d, target, prompt_ids(tok), DRAFT_TREE)
     else:
         model = targets.setdefault(d.name, load_model(str(d)))
