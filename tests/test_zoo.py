@@ -75,7 +75,7 @@ def _check_feature(name):
     card = (d / "README.md").read_text()
     assert ("top-1 agreement" if want["kind"] == "feature" else "acceptance by position") in card
     if want["kind"] == "block":  # the zoo stays lean: own parameters only, bf16, well under 20 MB
-        assert want["bytes"] < 16e6
+        assert want["bytes"] < 18e6  # DPara 17.2 MB (its stand-in projection and autoregressive head); DSpark 14.7
 
 
 @pytest.mark.parametrize("name", ["code-target", "code-target-hybrid"])
