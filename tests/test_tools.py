@@ -83,17 +83,17 @@ def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
     import bench_adaptive
     import profile_widths
     out = tmp_path / "adaptive"
-    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=3", "--margins", "3", "--new-tokens", "10",
+    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=2", "--margins", "3", "--new-tokens", "10",
                                 "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {r["method"]: r for r in data["rows"]}
-    assert list(rows) == ["ar", "lm chain=4", "lm adaptive chain=3", "lm chain=4 margin δ=3"]
-    for name in ("lm chain=4", "lm adaptive chain=3"):
+    assert list(rows) == ["ar", "lm chain=4", "lm adaptive chain=2", "lm chain=4 margin δ=3"]
+    for name in ("lm chain=4", "lm adaptive chain=2"):
         assert rows[name]["lossless"] and rows[name]["check"]["mismatch"] == 0 and rows[name]["agreement"] == 1.0
     wide = rows["lm chain=4 margin δ=3"]
     assert wide["tau"] > rows["lm chain=4"]["tau"] and wide["agreement"] < 1.0
-    assert 1 <= rows["lm adaptive chain=3"]["mean_verify_width"] <= 4
-    assert "rest_s" in data["meta"]["profiles"]["lm chain=3"] and out.with_suffix(".png").stat().st_size > 0
+    assert 1 <= rows["lm adaptive chain=2"]["mean_verify_width"] <= 3
+    assert "rest_s" in data["meta"]["profiles"]["lm chain=2"] and out.with_suffix(".png").stat().st_size > 0
     p = profile_widths.main(["--smoke", "--adaptive", "--batch", "1", "--tree", "chain=1",
                              "--out", str(tmp_path / "p.json")])
     row = p["rows"]["1"]

@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
                      for name, d in drafters.items() if d.head.config.boundary]
     for name, d, suffix in variants:
         tree = args.tree or f"chain={d.head.config.block_size}"
-        ms = stage_split(target, d, prompt, tree, args.repeats, loops=args.loops)
+        ms = stage_split(target, d, prompt, tree, args.repeats, loops=args.loops, steps=False)
         dpara = d.head.config.boundary
         cp = critical_path(ms, dpara)
         row = {"drafter": name + suffix, "tree": tree, "dpara": dpara, "ms": ms, "critical_path": cp}

@@ -113,7 +113,8 @@ def load_models(args):
         "random weights of the zoo's shapes (no trained zoo here): costs only, tau meaningless"
 
 
-def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int = 16) -> dict[str, float]:
+def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int = 16,
+                steps: bool = True) -> dict[str, float]:
     """ms per round of each stage of a greedy round, measured IN a loop (see the module docstring, 3):
     each stage runs `loops` times in one jitted `fori_loop` that carries its state, as the
     generation loop does (buffers updated in place, weights hot in cache), after a prefill and
@@ -222,13 +223,18 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     zero = jnp.float32(0)
     ms = {"whole round": per(looped(round_body), state, carry),
           "draft (propose)": per(looped(propose_body(spec)), state, (between_rounds(prop.state)[0], jnp.int32(0))),
-          "chain=1 proposal": per(looped(propose_body(tree_lib.chain(1))), state, (between_rounds(prop.state)[0], jnp.int32(0))),
-          "chain=2 proposal": per(looped(propose_body(tree_lib.chain(2))), state, (between_rounds(prop.state)[0], jnp.int32(0))),
+
           "target forward (verification)": per(looped(forward_body), state, (cache0, zero)),
           "verification walk": per(looped(walk_body), state, zero),
           "drafter commit": per(looped(dcommit_body), state, prop.state)}
+    if steps:  # one drafter step: a chain=2 minus a chain=1 proposal (the per-call dispatch cancels)
+        for k in (1, 2):
+            ms[f"chain={k} proposal"] = per(looped(propose_body(tree_lib.chain(k))), state,
+                                           (between_rounds(prop.state)[0], jnp.int32(0)))
     if isinstance(d0, BlockDrafter):
         ms.update(block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per, fam, layers, D, ctx(spec)))
+    if not steps:
+        return ms
     # one drafter step: the marginal cost of one more depth
     ms["one drafter step"] = max(ms["chain=2 proposal"] - ms["chain=1 proposal"], 0.0)
     ms["draft forwards (depth x one step)"] = D * ms["one drafter step"]
