@@ -196,3 +196,16 @@ def prefilled_state(drafter, target, prompt, capacity: int = 16):
     toks, n = jnp.asarray([prompt]), jnp.asarray([len(prompt)])
     pre = fam.prefill(target, toks, n, fam.init_cache(target, 1, capacity), hidden_layers=tuple(drafter.target_layers))
     return drafter.init(toks, n, capacity, pre)
+
+
+def full_features(target, toks_BxT, layers):
+    """The target's fused hidden states at `layers` over the whole sequence (a causal forward) [B, T, F]:
+    what a block drafter's training pass reads."""
+    import jax.numpy as jnp
+
+    from specjax.models import family
+    fam = family(target)
+    B, T = toks_BxT.shape
+    out = fam.forward(target, toks_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
+                      jnp.tril(jnp.ones((B, T, T), bool)), hidden_layers=layers)
+    return jnp.concatenate(out.hidden, -1)

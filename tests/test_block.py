@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import (assert_first_two_follow, chi_square, prefilled_state, spread_target, tiny_target,
-                     train_block_on_own_outputs)
+from helpers import (assert_first_two_follow, chi_square, full_features, prefilled_state, spread_target,
+                     tiny_target, train_block_on_own_outputs)
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -79,9 +79,7 @@ def test_drafting_pass_equals_training_pass(kind):
     d = BlockDrafter(head, target)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
-    out = fam.forward(target, toks, jnp.arange(40)[None], fam.init_cache(target, 1, 40),
-                      jnp.tril(jnp.ones((1, 40, 40), bool)), hidden_layers=cfg.target_layers)
-    feats = jnp.concatenate(out.hidden, -1)
+    feats = full_features(target, toks, cfg.target_layers)
     anchors = jnp.asarray([[3, 17, 30]])
     _, _, h_train, base_train, _, _ = train_logits(head, target, toks, feats, anchors)
     @jax.jit

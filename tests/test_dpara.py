@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import tiny_target, train_block_on_own_outputs
+from helpers import full_features, tiny_target, train_block_on_own_outputs
 from specjax.drafters.base import Committed
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, train_logits
 from specjax.models import family
@@ -51,9 +51,7 @@ def test_boundary_pass_equals_training_pass():
     d = BlockDrafter(head, target)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
-    out = fam.forward(target, toks, jnp.arange(40)[None], fam.init_cache(target, 1, 40),
-                      jnp.tril(jnp.ones((1, 40, 40), bool)), hidden_layers=cfg.target_layers)
-    feats = jnp.concatenate(out.hidden, -1)
+    feats = full_features(target, toks, cfg.target_layers)
 
     @jax.jit
     def init(a):  # the prompt is the first a tokens (right-padded: one compile for every a)
@@ -142,9 +140,7 @@ def test_boundaries_beyond_the_precomputed_ones_give_the_same_block():
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 30)), jnp.int32)
     pre = fam.prefill(target, toks, jnp.asarray([12]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
-    out = fam.forward(target, toks, jnp.arange(30)[None], fam.init_cache(target, 1, 30),
-                      jnp.tril(jnp.ones((1, 30, 30), bool)), hidden_layers=cfg.target_layers)
-    feats = jnp.concatenate(out.hidden, -1)
+    feats = full_features(target, toks, cfg.target_layers)
     blocks = []
     for b in (None, 2):
         blocks.append(np.asarray(jax.jit(lambda pre, feats, b=b: after_a_round(head, target, toks, pre, feats, b))(

@@ -304,20 +304,24 @@ fills the conditional rows of `treeflash` trees (`tree="treeflash,nodes=N,m=…,
 {rows}{cal}"""
 
 
+def _dspark_peer(cfg: dict):
+    """(directory name, train_info) of the DSpark drafter of the same target in the zoo, or None."""
+    target = Path(cfg["target"])
+    info = target.parent / f"{target.name}-dspark" / "train_info.json"
+    if not info.is_absolute():
+        info = REPO / info
+    return (info.parent.name, json.loads(info.read_text())) if info.exists() else None
+
+
 def _boundary_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:
     """DPara's card section: how its blocks are made and trained, the estimate by acceptance boundary,
     and the DSpark drafter it started from side by side (where it is in the zoo)."""
     W = dcfg["block_size"]
     final = info["final"]
     rows = [("this model (boundaries 0, 1, .. cycled over the blocks)", final)]
-    target_name = Path(cfg["target"]).name
-    peer = Path(cfg["target"]).parent / f"{target_name}-dspark" / "train_info.json"
-    if not peer.is_absolute():
-        peer = REPO / peer
-    if peer.exists():
-        pinfo = json.loads(peer.read_text())
-        rows.append((f"`{peer.parent.name}` (DSpark: anchor embedded, every context position a target feature)",
-                     pinfo["final"]))
+    peer = _dspark_peer(cfg)
+    if peer is not None:
+        rows.append((f"`{peer[0]}` (DSpark: anchor embedded, every context position a target feature)", peer[1]["final"]))
     table = "\n".join(f"| {n} | {fmt(r['val_accept'])} | {r['val_tau_estimate']:.2f} |" for n, r in rows)
     by = final.get("val_tau_estimate_by_boundary", [])
     Ia = dcfg.get("ar_intermediate") or 0
@@ -354,13 +358,9 @@ def _reader_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:
     rows = [("this model", info["final"])]
     if "final_zero_state" in info:
         rows.append(("this model, reader on zeroed states", info["final_zero_state"]))
-    target_name = Path(cfg["target"]).name
-    peer = Path(cfg["target"]).parent / f"{target_name}-dspark" / "train_info.json"
-    if not peer.is_absolute():
-        peer = REPO / peer
-    if peer.exists():
-        pinfo = json.loads(peer.read_text())
-        rows.append((f"`{peer.parent.name}` (DSpark, {pinfo['run']['config']['steps']} steps)", pinfo["final"]))
+    peer = _dspark_peer(cfg)
+    if peer is not None:
+        rows.append((f"`{peer[0]}` (DSpark, {peer[1]['run']['config']['steps']} steps)", peer[1]["final"]))
     table = "\n".join(f"| {n} | {fmt(r['val_accept'])} | {r['val_tau_estimate']:.2f} |" for n, r in rows)
     start = f"started from `{cfg['init_from']}`" if cfg.get("init_from") else "trained from scratch"
     return f"""
