@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sampling, tree as tree_lib, verify as verify_lib
+from specjax import sampling, sharding, tree as tree_lib, verify as verify_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.models import family
 from specjax.models.transformer import Model
 from specjax.sampling import SamplingParams
+from specjax.sharding import BATCH, REPLICATED
 from specjax.typing import Array, Bool, Int
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so lengths share compiles
@@ -111,7 +112,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
              capacity: int | None = None, drafters: Sequence = (), tree=None,
              verify: str | None = None, margin: float | None = None,
-             state_budget_bytes: int | None = None) -> GenerationResult:
+             state_budget_bytes: int | None = None, mesh: jax.sharding.Mesh | None = None) -> GenerationResult:
     """Generation of a ragged batch of token-id prompts, autoregressive or speculative.
 
     temperature == 0 is greedy. `eos_token_id` defaults to the model config's; a row stops at
@@ -122,23 +123,53 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     lossy margin rule (opt-in, never a default; the result says `lossless=False`; see `specjax.verify`).
     A recurrent (hybrid) target verifies a tree with a per-node state buffer; `state_budget_bytes`
     bounds it (see `check_state_budget`; default: the larger of 1 GiB and the committed cache).
+
+    `mesh` (a `jax.sharding.Mesh` with axes `data` and/or `model`, `specjax.sharding.make_mesh`) runs
+    the same one program sharded (design §10): the target's and the drafter's parameters by their
+    families' partition tables (tensor parallel over `model`), the batch rows over `data` (the batch
+    must be a multiple of its size), the caches, drafter state and tree buffers pinned to match every
+    round; the outputs come back replicated. A mesh over several processes (`jax.distributed`,
+    `sharding.initialize_distributed`) works alike: every process calls `generate` with the same arguments.
     """
     sampling.validate(temperature, top_k, top_p)
     eos = _eos_array(model, eos_token_id)
+    if mesh is not None:
+        mesh = sharding.check_mesh(mesh)
     if drafters:
         return _generate_speculative(model, prompts, list(drafters), tree, verify, eos, margin=margin,
                                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, capacity=capacity,
-                                     state_budget_bytes=state_budget_bytes)
+                                     state_budget_bytes=state_budget_bytes, mesh=mesh)
     if tree is not None or verify is not None or margin is not None:
         raise ValueError("tree=, verify= and margin= need at least one drafter")
     batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
     graphdef, state = nnx.split(model)
-    tokens, lengths = _generate_ar(graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-                                   SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed),
-                                   jnp.asarray(eos), capacity=batch.capacity,
-                                   max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
-    return GenerationResult(np.asarray(tokens), np.asarray(lengths))
+    inputs = _placed(mesh, state, (family(model).PARTITION_RULES,), batch,
+                     (SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos)))
+    with sharding.mesh_context(mesh):
+        tokens, lengths = _generate_ar(graphdef, *inputs, capacity=batch.capacity,
+                                       max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
+    return GenerationResult(sharding.gather(tokens), sharding.gather(lengths))
+
+
+def _placed(mesh, state, rules: tuple, batch: PreparedBatch, replicated: tuple) -> tuple:
+    """The program's inputs (state, prompt, lengths, *replicated): as they are without a mesh; on a
+    mesh, `state` (an `nnx.split` state: one part per module, part i laid out by `rules[i]`) by its
+    partition tables, the prompt rows over `data`, the rest replicated."""
+    prompt, lengths = jnp.asarray(batch.tokens), jnp.asarray(batch.lengths)
+    if mesh is None:
+        return (state, prompt, lengths) + tuple(replicated)
+    B, data = len(batch.lengths), sharding.axis_size(mesh, sharding.DATA)
+    if B % data:
+        raise ValueError(f"the batch ({B} rows) must be a multiple of the mesh's data axis ({data}): its rows are "
+                         f"split over it (pad the batch, or use a smaller data axis)")
+    if len(rules) == 1:  # nnx.split of one module: its paths start at the module
+        specs = sharding.param_specs(state, rules[0])
+    else:  # nnx.split of a tuple of modules: the first key is the module's index
+        specs = jax.tree_util.tree_map_with_path(
+            lambda kp, _: sharding.spec_for(sharding.path_str(kp[1:]), rules[kp[0].key]), state)
+    return (sharding.place(state, specs, mesh), sharding.place(prompt, BATCH, mesh),
+            sharding.place(lengths, BATCH, mesh)) + tuple(sharding.place(x, REPLICATED, mesh) for x in replicated)
 
 
 def is_eos(tokens_B, eos_E):
@@ -165,6 +196,8 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
     buf_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(tok_B)
     done_B = is_eos(tok_B, eos_E)
     n_B = jnp.ones((B,), jnp.int32)
+    # on a mesh (design §10): rows over `data`, the cache as its family lays it out; no-op otherwise
+    pin = lambda c: sharding.constrain(c, (REPLICATED, BATCH, fam.cache_partition(c[2]), BATCH, BATCH, BATCH))
 
     def cond(carry):
         i, _, _, done_B, _, _ = carry
@@ -179,10 +212,10 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
         buf_BxM = buf_BxM.at[:, i].set(tok_B)
         n_B = n_B + (~done_B).astype(jnp.int32)
         done_B = done_B | is_eos(tok_B, eos_E)
-        return i + 1, tok_B, out.cache, done_B, n_B, buf_BxM
+        return pin((i + 1, tok_B, out.cache, done_B, n_B, buf_BxM))
 
-    _, _, _, _, n_B, buf_BxM = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, out.cache, done_B, n_B, buf_BxM))
-    return buf_BxM, n_B
+    _, _, _, _, n_B, buf_BxM = jax.lax.while_loop(cond, body, pin((jnp.int32(1), tok_B, out.cache, done_B, n_B, buf_BxM)))
+    return sharding.constrain((buf_BxM, n_B), REPLICATED)  # every process reads the whole result
 
 
 # ----------------------------------------------------------------------------- speculative
@@ -272,7 +305,7 @@ def check_verify_widths(widths, spec) -> tuple[int, ...]:
 
 def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
                           temperature, top_k, top_p, seed, capacity, margin=None,
-                          state_budget_bytes=None) -> GenerationResult:
+                          state_budget_bytes=None, mesh=None) -> GenerationResult:
     if len(drafters) > 1:
         raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
                          "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
@@ -299,17 +332,20 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
     drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
     graphdef, state = nnx.split((model, drafter))
-    tokens, lengths, stats = _generate_spec(
-        graphdef, state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-        SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos),
-        jnp.float32(delta), capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec,
-        mode=mode, greedy=temperature == 0)
-    stats = {k: np.asarray(v) for k, v in stats.items()}
+    inputs = _placed(mesh, state, (family(model).PARTITION_RULES, drafter.partition_rules), batch,
+                     (SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos),
+                      jnp.float32(delta)))
+    with sharding.mesh_context(mesh):
+        tokens, lengths, stats = _generate_spec(
+            graphdef, *inputs, capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec,
+            mode=mode, greedy=temperature == 0)
+    tokens, lengths = sharding.gather(tokens), sharding.gather(lengths)
+    stats = {k: sharding.gather(v) for k, v in stats.items()}
     rounds = np.maximum(stats["rounds"], 1)
     stats["tau"] = 1.0 + stats["accepted"] / rounds
     stats["depth_acceptance"] = stats["accepted_at_depth"] / rounds[:, None]
     stats["mean_verify_width"] = stats["verified_nodes"] / rounds
-    return GenerationResult(np.asarray(tokens), np.asarray(lengths), stats, lossless=verify_lib.LOSSLESS[rule])
+    return GenerationResult(tokens, lengths, stats, lossless=verify_lib.LOSSLESS[rule])
 
 
 def _write_rows(buf_BxT, new_BxK, start_B):
@@ -370,11 +406,22 @@ def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, ke
         root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     with jax.named_scope("draft_init"):
         dstate = drafter.prepare(drafter.init(prompt_BxP, lengths_B, capacity, out), spec)
-    return LoopCarry(r=jnp.int32(1), root=root_B, cache=out.cache,
-                     dstate=dstate,
-                     done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
-                     buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
-                     stats=RoundStats.zeros(B, D))
+    carry = LoopCarry(r=jnp.int32(1), root=root_B, cache=out.cache,
+                      dstate=dstate,
+                      done=is_eos(root_B, eos_E) | (M <= 1), n_out=jnp.ones((B,), jnp.int32),
+                      buf=jnp.zeros((B, M + D + 1), jnp.int32).at[:, 0].set(root_B),
+                      stats=RoundStats.zeros(B, D))
+    return pin_carry(carry, fam, drafter)
+
+
+def pin_carry(carry: LoopCarry, fam, drafter) -> LoopCarry:
+    """The carry pinned to its layout on the context mesh (design §10): rows over `data`, the target's
+    cache by its family (`cache_partition`), the drafter's state by `drafter.state_partition`. A
+    no-op without a mesh (`sharding.constrain`)."""
+    specs = LoopCarry(r=REPLICATED, root=BATCH, cache=fam.cache_partition(carry.cache),
+                      dstate=drafter.state_partition(carry.dstate, carry.root.shape[0]), done=BATCH, n_out=BATCH,
+                      buf=BATCH, stats=BATCH)
+    return sharding.constrain(carry, specs)
 
 
 def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
@@ -394,7 +441,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     active = ~done_B
     with jax.named_scope("draft"):
         prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
-    tree = prop.tree
+    tree = sharding.constrain(prop.tree, BATCH)  # tree buffers: rows over `data` (no-op without a mesh)
     widths = check_verify_widths(drafter.verify_widths(spec), spec)
     with jax.named_scope("verify_forward"):
         if len(widths) == 1:
@@ -419,7 +466,8 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
                               positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
                               target=cache, nodes=vd.path)
         dstate = drafter.commit(prop.state, committed)
-    return _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)
+    new, out = _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)
+    return pin_carry(new, fam, drafter), out
 
 
 @jax.named_scope("emit")
@@ -501,4 +549,4 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
         carry)
     stats = {**carry.stats.as_dict(), **drafter.loop_stats(carry.dstate)}  # plus a drafter's own counters
     buf = jnp.where(jnp.arange(M + D + 1)[None] < carry.n_out[:, None], carry.buf, 0)[:, :M]
-    return buf, carry.n_out, stats
+    return sharding.constrain((buf, carry.n_out, stats), REPLICATED)  # every process reads the whole result

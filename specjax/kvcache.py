@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from specjax.typing import Array, Float, Int, Lengths
 
 
@@ -29,6 +31,13 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.k.shape[1]
+
+
+def partition(cache: KVCache) -> KVCache:
+    """The cache's layout on a (data, model) mesh (design §10): rows over `data`, KV heads over
+    `model` (as the attention heads that write them); `specjax.sharding` fits it to the shapes."""
+    kv = P(None, "data", None, "model", None)
+    return KVCache(k=kv, v=kv, length=P("data"))
 
 
 def init(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,

@@ -12,6 +12,7 @@ import jax
 import optax
 import orbax.checkpoint as ocp
 
+from specjax import sharding
 from specjax.checkpoint import weights_sha256
 from train.lm import RunRefused
 
@@ -83,9 +84,27 @@ def open_run(run_dir: Path, export_dir: Path | None, ident: dict, overwrite: boo
 
 
 def checkpoints(run_dir: Path, every: int, state):
-    """(orbax CheckpointManager, state restored from its latest step or `state` as given)."""
+    """(orbax CheckpointManager, state restored from its latest step or `state` as given). The
+    checkpoint restores into `state`'s layout (one device, or a mesh), whichever it was saved from."""
     mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(
         max_to_keep=3, save_interval_steps=every, create=True))
     if mngr.latest_step() is not None:
-        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(sharding.abstract(state)))
     return mngr, state
+
+
+def mesh_from_args(ap, text: str | None):
+    """The `--mesh data=D,model=M` of a trainer's command line (None without it); a bad one is the parser's error."""
+    if not text:
+        return None
+    try:
+        return sharding.parse_mesh(text)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def check_batch(batch_size: int, mesh) -> None:
+    """The batch must split over the mesh's data axis (ValueError)."""
+    if mesh is not None and batch_size % sharding.axis_size(mesh, sharding.DATA):
+        raise ValueError(f"batch_size {batch_size} does not split over the mesh's data axis "
+                         f"({sharding.axis_size(mesh, sharding.DATA)})")

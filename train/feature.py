@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import feature as F
 from specjax.models import family, transformer
@@ -109,7 +110,8 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
     def train_step(state, tokens):
         (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
-        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1},
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1}
+        return (sharding.constrain(new, sharding.param_specs(new, RULES)),  # on a mesh: one layout every step
                 {"loss": loss, "per_step": per_step, "agree": agree, "lr": schedule(state["step"])})
 
     @jax.jit
@@ -124,7 +126,19 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
     return target, hcfg, head_def, train_step, eval_step, init
 
 
-def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True):
+RULES = F.FeatureDrafter.partition_rules  # the head's layout on a mesh (design §10)
+
+
+def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
+    """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
+    the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
+    replicated); the checkpoints are the same, and restore on any layout."""
+    drafter_run.check_batch(cfg.batch_size, mesh)
+    with sharding.mesh_context(mesh):
+        return _train(cfg, run_dir, export_dir, max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
+
+
+def _train(cfg, run_dir, export_dir, *, max_steps, overwrite, progress, mesh):
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
@@ -136,7 +150,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
 
-    state = jax.device_put(init(), jax.devices()[0])
+    state = sharding.place_params(init(), RULES, mesh)
     mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
     start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
@@ -144,7 +158,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     record = None
     for step in range(start, stop):
         batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
-        state, m = train_step(state, jnp.asarray(batch))
+        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
         loss = float(m["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}")
@@ -200,9 +214,12 @@ def main(argv=None):
     ap.add_argument("--export", type=Path)
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--mesh", help=sharding.MESH_HELP)
     args = ap.parse_args(argv)
+    mesh = drafter_run.mesh_from_args(ap, args.mesh)
     try:
-        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite)
+        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
+              mesh=mesh)
     except (RunRefused, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 

@@ -36,7 +36,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from specjax import kvcache
+from specjax import kvcache, sharding
 from specjax.checkpoint import has_weights, save_model
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HYBRID_MODEL_TYPES, HybridConfig, ModelConfig, RopeScaling
@@ -196,6 +196,14 @@ def init_model(cfg: ModelConfig | HybridConfig, seed: int = 0):
     return (hybrid if isinstance(cfg, HybridConfig) else transformer).init_model(cfg, seed)
 
 
+def family_rules(cfg: ModelConfig | HybridConfig) -> tuple:
+    """The model family's partition table (design §10)."""
+    return (hybrid if isinstance(cfg, HybridConfig) else transformer).PARTITION_RULES
+
+
+BATCH_AxMxT1 = sharding.P(None, sharding.DATA)  # a step's micro-batches: rows over `data`
+
+
 def lm_token_losses(model, tokens_BxT1, compute_dtype) -> jax.Array:
     """[B, T] next-token cross-entropy of [B, T+1] windows, through the inference code (one causal
     block on an empty cache: `forward` for a dense model, the chunked `prefill` for a hybrid), so
@@ -254,9 +262,13 @@ def _step_fns_cached(cfg: TrainConfig):
     def loss_of(params, tokens_BxT1):
         return lm_loss(nnx.merge(graphdef, _compute_params(params, compute_dtype)), tokens_BxT1, compute_dtype)
 
+    rules = family_rules(cfg.model)
+
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, batch_AxMxT1):
-        """One optimizer step over A accumulated micro-batches of M rows ([A, M, T+1])."""
+        """One optimizer step over A accumulated micro-batches of M rows ([A, M, T+1]). On a mesh
+        (`--mesh`): rows over `data` (XLA all-reduces the gradients), parameters and their Adam
+        moments laid out by the family's partition table, pinned so every step keeps one layout."""
         def micro(grad_sum, tokens_MxT1):
             loss, grads = jax.value_and_grad(loss_of)(state["params"], tokens_MxT1)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
@@ -267,6 +279,7 @@ def _step_fns_cached(cfg: TrainConfig):
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                      "step": state["step"] + 1}
+        new_state = sharding.constrain(new_state, sharding.param_specs(new_state, rules))
         metrics = {"loss": losses_A.mean(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         return new_state, metrics
 
@@ -456,9 +469,25 @@ def export(cfg: TrainConfig, params, tok: Tokenizer, export_dir: Path, info: dic
 
 def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None = None, *,
           max_steps: int | None = None, overwrite: bool = False, progress: bool = True,
-          reschedule: bool = False) -> dict:
+          reschedule: bool = False, mesh=None) -> dict:
     """Trains (or resumes) up to `max_steps` (default: all phases); exports when finished.
-    Returns the final train state."""
+    Returns the final train state. `mesh` (a `jax.sharding.Mesh`, `specjax.sharding.make_mesh`):
+    data parallel over its `data` axis (the batch and every micro-batch must divide by it), tensor
+    parallel over `model` by the family's partition table; checkpoints are the same orbax
+    checkpoints (saved sharded; a run may resume on another mesh or on one device)."""
+    if mesh is not None:
+        mesh = sharding.check_mesh(mesh)
+        data_axis = sharding.axis_size(mesh, sharding.DATA)
+        for p in cfg.phases:
+            if (p.micro_batch_size or cfg.batch_size) % data_axis:
+                raise ValueError(f"micro-batches of {p.micro_batch_size or cfg.batch_size} rows do not split over the "
+                                 f"mesh's data axis ({data_axis})")
+    with sharding.mesh_context(mesh):
+        return _train(cfg, run_dir, export_dir, max_steps=max_steps, overwrite=overwrite, progress=progress,
+                      reschedule=reschedule, mesh=mesh)
+
+
+def _train(cfg: TrainConfig, run_dir, export_dir, *, max_steps, overwrite, progress, reschedule, mesh) -> dict:
     run_dir, export_dir = Path(run_dir), (Path(export_dir) if export_dir is not None else None)
     tok_path = _resolve(cfg.tokenizer)
     if not tok_path.exists():
@@ -471,11 +500,12 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
     _, _, train_step, _ = _step_fns(cfg)
     val_windows = data.eval_windows(streams.validation, cfg.eval_seq_len, cfg.eval_tokens)
 
-    # Committed to the device like a restored state, so a resumed run reuses the compiled step.
-    state = jax.device_put(init_state(cfg), jax.devices()[0])
+    # Committed to the device (or laid out on the mesh) like a restored state, so a resumed run
+    # reuses the compiled step; a checkpoint restores into this layout, whichever it was saved from.
+    state = sharding.place_params(init_state(cfg), family_rules(cfg.model), mesh)
     mngr = checkpoint_manager(cfg, run_dir)
     if mngr.latest_step() is not None:
-        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(sharding.abstract(state)))
     start = int(state["step"])
     stop = cfg.total_steps if max_steps is None else min(max_steps, cfg.total_steps)
 
@@ -485,7 +515,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
     for step in range(start, stop):
         batch = step_batch(cfg, streams.train, step)
         t0 = time.perf_counter()
-        state, m = train_step(state, jnp.asarray(batch))
+        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, BATCH_AxMxT1, mesh))
         loss = float(m["loss"])  # also waits for the step, so tokens/s is honest
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}; last checkpoint: {mngr.latest_step()}")
@@ -549,7 +579,8 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     step = mngr.latest_step()
     if step is None:
         raise RunRefused(f"{run_dir}: no checkpoint yet")
-    state = mngr.restore(step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: init_state(cfg))))
+    state = mngr.restore(step, args=ocp.args.StandardRestore(sharding.abstract(
+        sharding.place_params(init_state(cfg), family_rules(cfg.model), None))))
     mngr.close()
     streams = load_streams(cfg, tok, run_dir / "token-cache")
     val_loss = evaluate(cfg, state["params"], data.eval_windows(streams.validation, cfg.eval_seq_len, cfg.eval_tokens))
@@ -602,8 +633,15 @@ def main(argv=None) -> None:
     ap.add_argument("--note", help="with --export-latest: what this export is (goes to train_info.json and the card)")
     ap.add_argument("--bench", type=int, metavar="STEPS", help="only measure train-step throughput")
     ap.add_argument("--bf16-compute", choices=["true", "false"], help="with --bench: override the config")
+    ap.add_argument("--mesh", help=sharding.MESH_HELP)
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            ap.error(str(e))
     if args.bench:
         if args.bf16_compute:
             cfg = dataclasses.replace(cfg, bf16_compute=args.bf16_compute == "true")
@@ -618,7 +656,7 @@ def main(argv=None) -> None:
             export_latest(cfg, args.run_dir, args.export, overwrite=args.overwrite, note=args.note)
             return
         train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
-              reschedule=args.reschedule)
+              reschedule=args.reschedule, mesh=mesh)
     except (RunRefused, corpus.CorpusMismatch, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 

@@ -30,6 +30,9 @@ capabilities (class attributes, read on the host; never a check of the drafter's
                          its trie as the cheap tree as is (no larger-than-budget expansion by q)
     default_tree         the tree spec used when the caller gives none (default "chain=4"; a block
                          drafter: its block)
+    partition_rules      its parameters' layout on a (data, model) mesh: (regex on the parameter's
+                         path, PartitionSpec) pairs (design §10, `specjax.sharding`); default: the dense
+                         family's table, whose names (q_proj, mlp/down_proj, ...) the drafters' layers share
 
 hooks (host side, before tracing)
     resolve_tree(spec) -> the spec with what the drafter decides filled in (a best-first tree's depth:
@@ -49,6 +52,10 @@ hooks (traced)
                                                         for the tree (default: the state as it is)
     score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
     loop_stats(final_state) -> {name: [B] array}        extra per-row statistics (default: none)
+    state_partition(state, batch) -> PartitionSpecs     its state's layout on a mesh (a prefix of the
+                                                        state; default `sharding.batch_partition`: KV
+                                                        caches as the target's, batch-major arrays over
+                                                        `data`, the rest replicated)
 """
 from __future__ import annotations
 
@@ -58,6 +65,8 @@ from typing import Any, ClassVar
 import jax
 from flax import nnx
 
+from specjax import sharding
+from specjax.models import transformer
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers, TreeSpec
 from specjax.typing import Array, Float, Int
@@ -132,6 +141,7 @@ class Drafter(nnx.Module):
     stops_early: ClassVar[bool] = False
     reads_own_tree: ClassVar[bool] = False
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
+    partition_rules: ClassVar[tuple] = transformer.PARTITION_RULES
 
     # -- the protocol (traced)
 
@@ -192,3 +202,8 @@ class Drafter(nnx.Module):
     def loop_stats(self, state) -> dict:
         """Extra per-row statistics of a whole generation, from the final state ({name: [B] array})."""
         return {}
+
+    def state_partition(self, state, batch: int):
+        """Traced: PartitionSpecs for the state on a (data, model) mesh, a prefix of its pytree
+        (`specjax.sharding.constrain` pins the loop's drafter state to it every round)."""
+        return sharding.batch_partition(state, batch)

@@ -602,6 +602,11 @@ class BlockDrafter(heads.HeadDrafter):
     verify budget."""
     name = "block"
     gives_q = True
+    # the dense table for the backbone's layers; the Markov head's tables split the vocabulary as the LM head
+    partition_rules = transformer.PARTITION_RULES + (
+        (r"markov_embed$", jax.sharding.PartitionSpec("model", None)),
+        (r"markov_out$", jax.sharding.PartitionSpec(None, "model")),
+    )
 
     @property
     def can_score(self) -> bool:

@@ -15,6 +15,9 @@ target-agnostic through `family(model)`:
     pad_nodes(cache, num_nodes)                                    a `forward` cache over w nodes, shaped
                                                                    as over num_nodes (verify widths)
     node_state_bytes(config), cache_bytes(config, B, capacity)     memory of a tree block / the cache
+    cache_partition(cache)                                         the cache's PartitionSpecs on a mesh
+    PARTITION_RULES                                                the parameters' layout on a mesh (one
+                                                                   table per family; `specjax.sharding`)
 """
 
 

@@ -51,6 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from specjax import kvcache
 from specjax.kvcache import KVCache
@@ -63,6 +64,17 @@ CHUNK_SIZE = 64  # the chunked delta rule's chunk length (as HF's torch_chunk_ga
 
 
 # ----------------------------------------------------------------------------- parameters
+
+# Tensor-parallel layout on a (data, model) mesh (design §10; see `transformer.PARTITION_RULES`):
+# the DeltaNet's input projections split their outputs (key / value heads) over `model`, the
+# convolution its channels, the per-head gates their heads, `out_proj` its input; the gated
+# attention, the MLPs, the embedding and the LM head as in the dense family.
+PARTITION_RULES = (
+    (r"(in_proj_qkvz|in_proj_ba)/weight$", P(None, "model")),
+    (r"conv1d/weight$", P("model", None)),
+    (r"(dt_bias|A_log)$", P("model")),
+    (r"out_proj/weight$", P("model", None)),
+) + transformer.PARTITION_RULES
 
 class OffsetRMSNorm(nnx.Module):
     """RMSNorm that scales by (1 + weight): HF's Qwen3NextRMSNorm (weights start at zero)."""
@@ -167,6 +179,15 @@ def init_cache(model: HybridModel, batch: int, capacity: int) -> HybridCache:
     kv = kvcache.init(len(cfg.attention_layers), batch, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     return HybridCache(kv=kv, state=jnp.zeros((L_lin, batch, Hv, dk, dv), jnp.float32),
                        conv=jnp.zeros((L_lin, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), cfg.dtype))
+
+
+def cache_partition(cache: HybridCache) -> HybridCache:
+    """The cache's layout on a mesh: rows over `data`; the attention layers' KV heads, the delta-rule
+    states' value heads and the convolution's channels over `model` (as the layers that make them)."""
+    per_node = None if cache.node_state is None else P(None, "data", None, "model")
+    node_conv = None if cache.node_conv is None else P(None, "data", None, None, "model")
+    return HybridCache(kv=kvcache.partition(cache.kv), state=P(None, "data", "model"), conv=P(None, "data", None, "model"),
+                       node_state=per_node, node_conv=node_conv)
 
 
 def node_state_bytes(cfg: HybridConfig) -> int:

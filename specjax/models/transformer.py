@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from specjax import attention as attention_lib, kvcache
 from specjax.kvcache import KVCache
@@ -24,6 +25,19 @@ from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
 
 
 # ----------------------------------------------------------------------------- parameters
+
+# Tensor-parallel layout on a (data, model) mesh (design §10, `specjax.sharding`): (regex searched in
+# a parameter's path, spec); the first match wins, the rest is replicated. Weights are [in, out]:
+# the projections into heads / the MLP hidden split their outputs over `model`, the projections back
+# split their inputs (one all-reduce each); the embedding and the LM head split the vocabulary.
+# Drafters reuse it: their layers carry the same names (`Drafter.partition_rules`).
+PARTITION_RULES = (
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/weight$", P(None, "model")),
+    (r"(q_proj|k_proj|v_proj)/bias$", P("model")),
+    (r"(o_proj|down_proj)/weight$", P("model", None)),
+    (r"embed_tokens$", P("model", None)),
+    (r"lm_head/weight$", P(None, "model")),
+)
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
@@ -232,6 +246,11 @@ def prefill(model: Model, tokens_BxP: Tokens, lengths_B, cache: KVCache, hidden_
 def commit(cache: KVCache, path_BxP, n_keep_B) -> KVCache:
     """After a forward over a tree: keeps the accepted path (`kvcache.commit_path`)."""
     return kvcache.commit_path(cache, path_BxP, n_keep_B)
+
+
+def cache_partition(cache: KVCache) -> KVCache:
+    """The cache's layout on a mesh (rows over `data`, KV heads over `model`)."""
+    return kvcache.partition(cache)
 
 
 def pad_nodes(cache: KVCache, num_nodes: int) -> KVCache:

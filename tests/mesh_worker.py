@@ -1,0 +1,173 @@
+"""What `test_sharding.py` runs in subprocesses, where XLA simulates several CPU devices (a flag read
+once, when jax is imported: the other tests keep one device). Prints one JSON line per check.
+
+    python tests/mesh_worker.py generate              # 8 devices: meshes (8,1), (2,4), (1,8)
+    python tests/mesh_worker.py distributed           # one of 2 processes (SPECJAX_* env), 4 devices each
+    python tests/mesh_worker.py train CONFIG RUN_DIR  # 8 devices: the LM trainer on a mesh and on one device
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+MESHES = ((8, 1), (2, 4), (1, 8))
+PROMPT_LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)  # a ragged batch of 8 (divides every data axis)
+NEW_TOKENS = 12
+
+
+def emit(**record):
+    print(json.dumps(record), flush=True)
+
+
+def _prompts(vocab: int):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def _targets():
+    """Tiny dense and hybrid targets, each with an lm drafter (a noisy copy: partial acceptance) and a
+    feature drafter (an untrained EAGLE-3 head over two target layers)."""
+    from flax import nnx
+
+    from helpers import noisy_copy, tiny_target
+    from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
+    from specjax.drafters.lm import LMDrafter
+    from specjax.models import hybrid
+    from specjax.models.config import HybridConfig
+    dense = tiny_target(160, seed=0)
+    hcfg = HybridConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, layer_types=("linear_attention", "full_attention"),
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8, partial_rotary_factor=0.5, max_position_embeddings=512)
+    hyb = hybrid.init_model(hcfg, seed=0)
+    out = {}
+    for name, target in (("dense", dense), ("hybrid", hyb)):
+        head = FeatureHead(FeatureConfig.for_target(target.config, target_layers=(0, 1)), nnx.Rngs(3))
+        out[name] = (target, {"lm": LMDrafter(noisy_copy(target, 0.05, 1)), "feature": FeatureDrafter(head, target)})
+    return out
+
+
+def _spec(x) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+
+
+def generate() -> None:
+    import jax
+    from flax import nnx
+
+    from specjax import engine, sharding
+    from specjax.models import family
+    assert len(jax.devices()) == 8, jax.devices()
+    for tname, (target, drafters) in _targets().items():
+        prompts = _prompts(target.config.vocab_size)
+        ref = {"ar": engine.generate(target, prompts, max_new_tokens=NEW_TOKENS).sequences()}
+        for dname, d in drafters.items():
+            r = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, drafters=[d])
+            ref[dname] = r.sequences()
+            emit(check="one-device", target=tname, drafter=dname, tau=float(r.stats["tau"].mean()))
+        for shape in MESHES:
+            mesh = sharding.make_mesh(*shape)
+            for dname in ("ar",) + tuple(drafters):
+                kw = {} if dname == "ar" else {"drafters": [drafters[dname]]}
+                before = engine.trace_count()
+                first = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
+                again = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
+                emit(check="generate", target=tname, drafter=dname, mesh=list(shape), reference=ref[dname],
+                     first=first.sequences(), again=again.sequences(), traces=engine.trace_count() - before)
+            # Declared layouts: the parameters as placed, the cache and drafter state as the program keeps them.
+            d = drafters["feature"]
+            graphdef, state = nnx.split((target, d))
+            batch = engine.prepare_prompts(prompts, target.config.vocab_size, NEW_TOKENS, slack=8)
+            rules = (family(target).PARTITION_RULES, d.partition_rules)
+            placed, prompt, lengths = engine._placed(mesh, state, rules, batch, ())
+            declared = jax.tree_util.tree_map_with_path(
+                lambda kp, _: sharding.spec_for(sharding.path_str(kp[1:]), rules[kp[0].key]), state)
+            with sharding.mesh_context(mesh):
+                carry = jax.jit(lambda st, p, n: engine.spec_start(
+                    *nnx.merge(graphdef, st), p, n, engine.SamplingParams.make(0.0, 0, 1.0), jax.random.key(0),
+                    jax.numpy.asarray([-1]), capacity=batch.capacity, max_new_tokens=NEW_TOKENS,
+                    spec=d.resolve_tree(engine.tree_lib.parse_tree_spec("chain=4")), greedy=True))(placed, prompt,
+                                                                                                  lengths)
+            B = len(prompts)
+            groups = {"params": (placed, declared), "cache": (carry.cache, family(target).cache_partition(carry.cache)),
+                      "dstate": (carry.dstate, d.state_partition(carry.dstate, B)), "prompt": (prompt, sharding.BATCH),
+                      "root": (carry.root, sharding.BATCH)}
+            checked, wrong, sample = 0, [], {}
+            for group, (tree, specs) in groups.items():
+                want = sharding.shardings(specs, tree, mesh)
+                for (kp, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(want)):
+                    path = "/".join(filter(None, (group, sharding.path_str(kp))))
+                    checked += 1
+                    sample[path] = _spec(x)
+                    if not x.sharding.is_equivalent_to(w, x.ndim):
+                        wrong.append(f"{path}: {x.sharding.spec} declared {w.spec}")
+            emit(check="layout", target=tname, mesh=list(shape), checked=checked, wrong=wrong, sample=sample)
+
+
+def distributed() -> None:
+    from specjax import sharding
+    assert sharding.initialize_distributed()
+    import jax
+
+    from specjax import engine
+    target, drafters = _targets()["dense"]
+    prompts = _prompts(target.config.vocab_size)
+    mesh = sharding.make_mesh(2, 4)  # over both processes' devices
+    out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
+           "local_devices": len(jax.local_devices())}
+    for dname in ("ar", "lm"):
+        kw = {} if dname == "ar" else {"drafters": [drafters[dname]]}
+        out[dname] = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw).sequences()
+        # the same process on its own first device only: the reference
+        out[dname + "_local"] = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, **kw).sequences()
+    emit(check="distributed", **out)
+
+
+def train(config_path: str, run_dir: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import sharding
+    from train import lm
+    assert len(jax.devices()) == 8
+    cfg = lm.load_config(config_path)
+    _, _, train_step, _ = lm._step_fns(cfg)
+    from tokenizers import Tokenizer
+    streams = lm.load_streams(cfg, Tokenizer.from_file(cfg.tokenizer), None)
+    rules = lm.family_rules(cfg.model)
+    curves = {}
+    for name, shape in (("one", None), ("mesh", (2, 4)), ("data", (8, 1))):
+        mesh = None if shape is None else sharding.make_mesh(*shape)
+        with sharding.mesh_context(mesh):
+            state = sharding.place_params(lm.init_state(cfg), rules, mesh)
+            losses = []
+            for step in range(20):
+                batch = lm.step_batch(cfg, streams.train, step)
+                batch = jnp.asarray(batch) if mesh is None else sharding.place(batch, lm.BATCH_AxMxT1, mesh)
+                state, m = train_step(state, batch)
+                losses.append(float(m["loss"]))
+        curves[name] = losses
+        if shape == (2, 4):  # parameters and their Adam moments, as laid out after 20 steps
+            emit(check="train-layout", specs={sharding.path_str(kp): _spec(x) for kp, x in
+                                              jax.tree_util.tree_flatten_with_path(state)[0] if "layers/0/" in
+                                              sharding.path_str(kp)})
+    emit(check="train-curves", **curves)
+    # The trainer itself on the mesh: 10 steps saved sharded, then resumed on one device to step 20.
+    lm.train(cfg, run_dir, None, max_steps=10, progress=False, mesh=sharding.make_mesh(2, 4))
+    resumed = lm.train(cfg, run_dir, None, max_steps=20, progress=False)
+    straight = lm.train(cfg, run_dir + "-one", None, max_steps=20, progress=False)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(straight["params"])))
+    devices = {str(d) for x in jax.tree.leaves(resumed["params"]) for d in x.devices()}
+    emit(check="train-resume", step=int(resumed["step"]), max_param_diff=diff, devices=sorted(devices))
+
+
+if __name__ == "__main__":
+    {"generate": generate, "distributed": distributed, "train": train}[sys.argv[1]](*sys.argv[2:])
