@@ -107,6 +107,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="with --confidence schedule: the verify-width cost profile of this machine, written by "
                         "tools/profile_widths.py (default: bench/verify_profile_<model dir name>.json in the current "
                         "directory, else in the specjax repository)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded on a device mesh (design §10): batch rows over D devices, tensor parallel over "
+                        "M; D x M devices, of every process when SPECJAX_COORDINATOR / SPECJAX_NUM_PROCESSES / "
+                        "SPECJAX_PROCESS_ID are set (jax.distributed)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line instead of plain text")
     cache = p.add_mutually_exclusive_group()
@@ -228,6 +232,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         sources = read_prompt_file(args.prompt_file)
     check_model_dir(args.model)
+    mesh = mesh_arg(args.mesh)  # a bad --mesh too (and several processes join here, before any device is used)
     fold = fold_config(args)  # a bad --fold is refused before anything loads
     compile_cache(args)  # before the first compile (loading compiles small programs too)
 
@@ -288,7 +293,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     eos = () if args.ignore_eos else None  # None: the model config's eos_token_id
     eos_ids = set() if args.ignore_eos else set(cfg.eos_ids)
-    kwargs = dict(generate_kwargs(args), eos_token_id=eos)
+    kwargs = dict(generate_kwargs(args), eos_token_id=eos, mesh=mesh)
     if args.margin is not None and args.verify != "margin":
         raise UsageError("--margin is read by --verify margin only")
     if drafters:
@@ -526,6 +531,19 @@ def spec_stats(result, row: int) -> dict:
             "grafted_accepted_paths": int(st["treegraft_grafted_paths"][row]),  # accepted paths through a graft
             "grafted_accepted_tokens": int(st["treegraft_grafted_tokens"][row])}
     return out
+
+
+def mesh_arg(text: str | None):
+    """The --mesh flag's mesh (None without it); joins a multi-process run first when its variables are set."""
+    if text is None:
+        return None
+    from specjax import sharding
+    try:
+        shape = sharding.parse_mesh_shape(text)
+        sharding.initialize_distributed()
+        return sharding.make_mesh(**shape)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
 
 
 def generate_kwargs(args: argparse.Namespace) -> dict:

@@ -177,8 +177,7 @@ def constrain(tree, specs):
     if mesh.empty:
         return tree
     leaves_specs = fitted(specs, tree, dict(mesh.shape))
-    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, s), tree, leaves_specs,
-                        is_leaf=lambda x: x is None)
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, leaves_specs)
 
 
 def batch_partition(tree, batch: int):

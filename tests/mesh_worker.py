@@ -10,12 +10,20 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 MESHES = ((8, 1), (2, 4), (1, 8))
+# Which (target, drafter, mesh) run speculatively (autoregressive: every target on every mesh). A
+# pairwise cover, not the whole product (compiling a sharded program is what these tests cost): every
+# mesh sees both targets and both drafters, every drafter runs on both targets, and the mixed mesh
+# (2,4) runs all four pairs.
+COVER = {("dense", "lm", m) for m in MESHES} | {("hybrid", "feature", m) for m in MESHES} | {
+    ("dense", "feature", (2, 4)), ("hybrid", "lm", (2, 4))}
+LAYOUT_MESH = (2, 4)  # where the parameter, cache and drafter-state layouts are inspected (both axes > 1)
 PROMPT_LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)  # a ragged batch of 8 (divides every data axis)
 NEW_TOKENS = 12
 
@@ -73,13 +81,15 @@ def generate() -> None:
             emit(check="one-device", target=tname, drafter=dname, tau=float(r.stats["tau"].mean()))
         for shape in MESHES:
             mesh = sharding.make_mesh(*shape)
-            for dname in ("ar",) + tuple(drafters):
+            for dname in ("ar",) + tuple(d for d in drafters if (tname, d, shape) in COVER):
                 kw = {} if dname == "ar" else {"drafters": [drafters[dname]]}
                 before = engine.trace_count()
                 first = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
                 again = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
                 emit(check="generate", target=tname, drafter=dname, mesh=list(shape), reference=ref[dname],
                      first=first.sequences(), again=again.sequences(), traces=engine.trace_count() - before)
+            if shape != LAYOUT_MESH:
+                continue
             # Declared layouts: the parameters as placed, the cache and drafter state as the program keeps them.
             d = drafters["feature"]
             graphdef, state = nnx.split((target, d))
@@ -167,6 +177,28 @@ def train(config_path: str, run_dir: str) -> None:
                for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(straight["params"])))
     devices = {str(d) for x in jax.tree.leaves(resumed["params"]) for d in x.devices()}
     emit(check="train-resume", step=int(resumed["step"]), max_param_diff=diff, devices=sorted(devices))
+
+    # The drafter trainers on the mesh: 2 steps of the feature (EAGLE-3) and block (DSpark) trainers on
+    # the LM just trained (exported by the LM trainer), against the same 3 steps on one device.
+    from tokenizers import Tokenizer as Tok
+
+    from train import block, feature
+    target_dir = run_dir + "-export"
+    lm.export(cfg, resumed["params"], Tok.from_file(cfg.tokenizer), Path(target_dir), {"steps": 20})
+    # 2 of 3 steps: no validation pass (its compile is not what is tested here)
+    common = dict(target=target_dir, seq_len=32, batch_size=8, steps=3, warmup_steps=1, checkpoint_every=2,
+                  eval_every=100, eval_tokens=256, manifest=cfg.corpus.manifest, corpus_root=cfg.corpus.root)
+    for name, trainer, tcfg in (
+            ("feature", feature, feature.FeatureTrainConfig(name="mesh-feature", ttt_steps=2, **common)),
+            ("block", block, block.BlockTrainConfig(name="mesh-block", block_size=4, num_layers=1, markov_rank=8,
+                                                    anchors=4, **common))):
+        states = {where: trainer.train(tcfg, f"{run_dir}-{name}-{where}", max_steps=2, progress=False,
+                                       mesh=None if where == "one" else sharding.make_mesh(2, 4))
+                  for where in ("one", "mesh")}
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(states["one"]["params"]), jax.tree.leaves(states["mesh"]["params"])))
+        sharded = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(states["mesh"]["params"]))
+        emit(check=f"train-{name}", step=int(states["mesh"]["step"]), max_param_diff=diff, sharded_params=sharded)
 
 
 if __name__ == "__main__":

@@ -358,3 +358,17 @@ def test_block_drafter_confidence_usage_errors(capsys, tmp_path, model_dir, bloc
                                        "--verify-profile", str(tmp_path / "nope.json")], "no such file")
     expect_usage_error(capsys, base + ["--drafter", block_dirs["dspark"], "--confidence", "schedule",
                                        "--tree", "depth=3,topk=2,nodes=6"], "cuts a chain")
+
+
+def test_mesh_flag(capsys, model_dir, loaded):
+    """--mesh data=1,model=1 runs the sharded program on this process's one device (the 8-device
+    meshes run in tests/test_sharding.py); a bad mesh is a usage error."""
+    model, tok = loaded
+    [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
+                     "--ignore-eos", "--mesh", "data=1,model=1")
+    ids = tok.encode("def add(a, b):").ids
+    assert row["tokens"] == specjax.generate(model, [ids], max_new_tokens=N, eos_token_id=()).sequences()[0]
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--mesh", "data=2,tensor=4"],
+                       "--mesh: mesh 'data=2,tensor=4': expected axes")
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--mesh", "data=2,model=4"],
+                       "--mesh: a mesh of data=2 x model=4 needs 8 devices; 1 are available")

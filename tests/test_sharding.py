@@ -74,35 +74,32 @@ def test_fit_drops_what_does_not_divide():
     assert sharding.spec_for("layers/3/self_attn/q_norm/weight", rules) == P()
 
 
-def test_one_device_mesh_is_the_plain_program(llama):
+def test_one_device_mesh_is_the_plain_program():
     """A 1x1 mesh runs the sharded path in this process: same tokens; a batch the data axis does not
     divide is refused before tracing."""
     import jax
 
     import specjax
+    from helpers import tiny_target
     from specjax import engine
+    target = tiny_target(160)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    ref = specjax.generate(llama.jx, prompts, max_new_tokens=6)
-    got = specjax.generate(llama.jx, prompts, max_new_tokens=6, mesh=mesh)
+    ref = specjax.generate(target, prompts, max_new_tokens=6)
+    got = specjax.generate(target, prompts, max_new_tokens=6, mesh=mesh)
     assert got.sequences() == ref.sequences()
     with pytest.raises(ValueError, match="jax.sharding.Mesh"):
-        specjax.generate(llama.jx, prompts, max_new_tokens=6, mesh="data=1")
+        specjax.generate(target, prompts, max_new_tokens=6, mesh="data=1")
     import types
     two_rows = types.SimpleNamespace(shape={"data": 2, "model": 1})  # refused before anything is placed
     with pytest.raises(ValueError, match="must be a multiple of the mesh's data axis"):
         engine._placed(two_rows, {}, ((),), engine.prepare_prompts([[1], [2], [3]], 10, 2), ())
     before = engine.trace_count()
-    specjax.generate(llama.jx, prompts, max_new_tokens=6, mesh=mesh)
+    specjax.generate(target, prompts, max_new_tokens=6, mesh=mesh)
     assert engine.trace_count() == before  # compiled once per configuration
 
 
 # ----------------------------------------------------------------------------- 8 simulated devices
-
-
-@pytest.fixture(scope="module")
-def mesh_records():
-    return _run(["generate"], devices=8)
 
 
 def _compare(ref, got, what):
@@ -111,12 +108,21 @@ def _compare(ref, got, what):
     assert got == ref, f"{what}: sharded output differs from one device\n  one device: {ref}\n  sharded:    {got}"
 
 
-def test_sharded_generation_equals_one_device(mesh_records):
+def test_sharded_generation_equals_one_device_with_declared_layouts():
     """Meshes (8,1), (2,4), (1,8): greedy speculative (lm and feature drafters) and autoregressive
-    output identical to one device, dense and hybrid targets, batch 8 ragged; one compile each."""
+    output identical to one device, dense and hybrid targets, batch 8 ragged; one compile each.
+    Autoregressive on every (target, mesh); speculative on a pairwise cover (`mesh_worker.COVER`).
+    Then the layouts (one subprocess for both: it is the compiles that cost)."""
+    mesh_records = _run(["generate"], devices=8)
+    _check_outputs(mesh_records)
+    _check_layouts(mesh_records)
+
+
+def _check_outputs(mesh_records):
     gens = [r for r in mesh_records if r["check"] == "generate"]
-    seen = collections.Counter((r["target"], r["drafter"]) for r in gens)
-    assert seen == {(t, d): 3 for t in ("dense", "hybrid") for d in ("ar", "lm", "feature")}
+    seen = {(r["target"], r["drafter"], tuple(r["mesh"])) for r in gens}
+    from mesh_worker import COVER, MESHES
+    assert seen == COVER | {(t, "ar", m) for t in ("dense", "hybrid") for m in MESHES}
     for r in gens:
         what = f"{r['target']} {r['drafter']} mesh {r['mesh']}"
         _compare(r["reference"], r["first"], what)
@@ -126,9 +132,11 @@ def test_sharded_generation_equals_one_device(mesh_records):
     assert taus[("dense", "lm")] > 1.5 and taus[("hybrid", "lm")] > 1.5  # the checks see accepted drafts
 
 
-def test_parameter_and_cache_shardings_are_as_declared(mesh_records):
+def _check_layouts(mesh_records):
+    """Parameters (as placed), the target's cache, the drafter's state and the batch (as the program
+    keeps them) have the shardings their tables declare, fitted to their shapes."""
     layouts = [r for r in mesh_records if r["check"] == "layout"]
-    assert len(layouts) == 6
+    assert sorted((r["target"], tuple(r["mesh"])) for r in layouts) == [("dense", (2, 4)), ("hybrid", (2, 4))]
     for r in layouts:
         assert r["checked"] > 30 and not r["wrong"], (r["target"], r["mesh"], r["wrong"])
         s, mesh = r["sample"], tuple(r["mesh"])
@@ -144,8 +152,8 @@ def test_parameter_and_cache_shardings_are_as_declared(mesh_records):
                 assert s["params/0/layers/0/linear_attn/in_proj_qkvz/weight"] == [None, "model"]
             else:
                 assert s["cache/k"] == [None, "data"]  # 2 KV heads do not split over 4: replicated
-        if mesh == (8, 1):
-            assert s["prompt"] == ["data"] and s["cache/length"] == ["data"]
+        length = s["cache/kv/length"] if r["target"] == "hybrid" else s["cache/length"]
+        assert s["prompt"] == ["data"] and length == ["data"]
 
 
 # ----------------------------------------------------------------------------- 2 processes
@@ -230,7 +238,8 @@ def tiny_lm_config(tmp_path_factory):
 def test_lm_trainer_on_a_mesh_matches_one_device(tiny_lm_config):
     """20 steps of the LM trainer's step on meshes (2,4) and (8,1) give one device's loss curve (within
     1e-4); parameters and Adam moments stay laid out by the table; a checkpoint saved sharded by
-    `train(mesh=...)` resumes on one device and lands where the one-device run does."""
+    `train(mesh=...)` resumes on one device and lands where the one-device run does. The feature and
+    block trainers on (2,4) take the steps one device takes (2 steps each)."""
     base = tiny_lm_config
     recs = {r["check"]: r for r in _run(["train", str(base / "cfg.json"), str(base / "run")], devices=8)}
     curves = recs["train-curves"]
@@ -245,3 +254,6 @@ def test_lm_trainer_on_a_mesh_matches_one_device(tiny_lm_config):
     res = recs["train-resume"]
     assert res["step"] == 20 and len(res["devices"]) == 1  # restored on one device
     assert res["max_param_diff"] < 1e-4
+    for name in ("feature", "block"):  # the drafter trainers: data and tensor parallel, same steps
+        r = recs[f"train-{name}"]
+        assert r["step"] == 2 and r["sharded_params"] > 0 and r["max_param_diff"] < 1e-4, r
