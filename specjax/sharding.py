@@ -13,9 +13,10 @@ declares its layout as one table beside its code (`transformer.PARTITION_RULES`,
 
 Every spec is *fitted* to the array it lands on: an axis that does not divide the dimension (a
 vocabulary of 160 over 3 devices, 2 KV heads over 8) is dropped from that dimension, which then is
-replicated over it. A sharding never changes a value, only where it lives and which collectives
-XLA inserts; so correctness never rests on a table, and a table is judged by speed (on one CPU,
-a simulated mesh measures nothing but overhead).
+replicated over it. A sharding never changes what is computed, only where it lives and which
+collectives XLA inserts (a sum split over devices adds in another order: float rounding, nothing
+more); so correctness never rests on a table, and a table is judged by speed (on one CPU, a
+simulated mesh measures nothing but overhead).
 
 Inside a traced program `constrain` pins a pytree to its specs when a mesh is in context
 (`jax.set_mesh`, which `generate(mesh=...)` and the trainers' `--mesh` enter) and does nothing
@@ -105,10 +106,6 @@ def check_mesh(mesh) -> Mesh:
 
 def axis_size(mesh, name: str) -> int:
     return dict(mesh.shape).get(name, 1)
-
-
-def describe(mesh) -> str:
-    return ",".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
 
 
 # ----------------------------------------------------------------------------- specs
@@ -228,8 +225,11 @@ def place_params(tree, rules: Rules, mesh: Mesh | None):
 
 def abstract(tree):
     """Shapes, dtypes and shardings of a placed tree: what orbax restores into (a checkpoint saved on
-    one layout restores on another, e.g. saved sharded over a mesh, restored on one device)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    one layout restores on another, e.g. saved sharded over a mesh, restored on one device). Leaves
+    without a sharding (`jax.eval_shape`'s) go to the first local device."""
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or one),
+                        tree)
 
 
 def mesh_context(mesh: Mesh | None):

@@ -27,6 +27,30 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import numpy as np
 import pytest
 
+# One persistent compilation cache for the whole run, shared by the xdist workers: a program that a
+# module compiled (and `_free_executables` dropped), or that the other worker compiled, loads from
+# disk instead of being compiled again (tracing still runs, so the tests that count traces are
+# unchanged). The folder is made by the first process that imports this file (the controller under
+# xdist; the workers inherit the variable) and removed when that process's session ends.
+_SUITE_CACHE_ENV = "SPECJAX_TEST_JAX_CACHE"
+if not os.environ.get(_SUITE_CACHE_ENV):
+    import tempfile
+    os.environ[_SUITE_CACHE_ENV] = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
+    _OWNS_SUITE_CACHE = True
+else:
+    _OWNS_SUITE_CACHE = False
+
+
+def _use_suite_cache():
+    from specjax.compile_cache import enable_compilation_cache
+    enable_compilation_cache(os.environ[_SUITE_CACHE_ENV], max_bytes=-1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWNS_SUITE_CACHE:
+        import shutil
+        shutil.rmtree(os.environ[_SUITE_CACHE_ENV], ignore_errors=True)
+
 VOCAB = 160
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -134,7 +158,9 @@ def qwen3(tiny_models) -> Tiny:
 def _free_executables():
     """Frees each test module's compiled programs when it ends: XLA:CPU maps every executable in
     many pieces, and one worker's programs over the whole suite reached the kernel's map limit
-    (vm.max_map_count, 65530: a segfault while compiling). Programs shared within a module stay."""
+    (vm.max_map_count, 65530: a segfault while compiling). Programs shared within a module stay.
+    Each module starts with the run's persistent compilation cache on (a test may have moved it)."""
+    _use_suite_cache()
     yield
     import gc
 

@@ -74,11 +74,9 @@ def generate() -> None:
     assert len(jax.devices()) == 8, jax.devices()
     for tname, (target, drafters) in _targets().items():
         prompts = _prompts(target.config.vocab_size)
-        ref = {"ar": engine.generate(target, prompts, max_new_tokens=NEW_TOKENS).sequences()}
-        for dname, d in drafters.items():
-            r = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, drafters=[d])
-            ref[dname] = r.sequences()
-            emit(check="one-device", target=tname, drafter=dname, tau=float(r.stats["tau"].mean()))
+        # One device's greedy output, autoregressive: what every sharded run must give (greedy speculative
+        # decoding on one device gives it too, which the rest of the suite proves).
+        ref = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS).sequences()
         for shape in MESHES:
             mesh = sharding.make_mesh(*shape)
             for dname in ("ar",) + tuple(d for d in drafters if (tname, d, shape) in COVER):
@@ -86,8 +84,9 @@ def generate() -> None:
                 before = engine.trace_count()
                 first = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
                 again = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw)
-                emit(check="generate", target=tname, drafter=dname, mesh=list(shape), reference=ref[dname],
-                     first=first.sequences(), again=again.sequences(), traces=engine.trace_count() - before)
+                emit(check="generate", target=tname, drafter=dname, mesh=list(shape), reference=ref,
+                     first=first.sequences(), again=again.sequences(), traces=engine.trace_count() - before,
+                     tau=float(first.stats["tau"].mean()) if dname != "ar" else None)
             if shape != LAYOUT_MESH:
                 continue
             # Declared layouts: the parameters as placed, the cache and drafter state as the program keeps them.
@@ -131,11 +130,9 @@ def distributed() -> None:
     mesh = sharding.make_mesh(2, 4)  # over both processes' devices
     out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
            "local_devices": len(jax.local_devices())}
-    for dname in ("ar", "lm"):
+    for dname in ("ar", "lm"):  # the test compares them with one device's, computed in its own process
         kw = {} if dname == "ar" else {"drafters": [drafters[dname]]}
         out[dname] = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, **kw).sequences()
-        # the same process on its own first device only: the reference
-        out[dname + "_local"] = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, **kw).sequences()
     emit(check="distributed", **out)
 
 
@@ -153,7 +150,7 @@ def train(config_path: str, run_dir: str) -> None:
     streams = lm.load_streams(cfg, Tokenizer.from_file(cfg.tokenizer), None)
     rules = lm.family_rules(cfg.model)
     curves = {}
-    for name, shape in (("one", None), ("mesh", (2, 4)), ("data", (8, 1))):
+    for name, shape in (("one", None), ("mesh", (2, 4))):
         mesh = None if shape is None else sharding.make_mesh(*shape)
         with sharding.mesh_context(mesh):
             state = sharding.place_params(lm.init_state(cfg), rules, mesh)
@@ -164,17 +161,19 @@ def train(config_path: str, run_dir: str) -> None:
                 state, m = train_step(state, batch)
                 losses.append(float(m["loss"]))
         curves[name] = losses
+        if shape is None:
+            one_device = state
         if shape == (2, 4):  # parameters and their Adam moments, as laid out after 20 steps
             emit(check="train-layout", specs={sharding.path_str(kp): _spec(x) for kp, x in
                                               jax.tree_util.tree_flatten_with_path(state)[0] if "layers/0/" in
                                               sharding.path_str(kp)})
     emit(check="train-curves", **curves)
-    # The trainer itself on the mesh: 10 steps saved sharded, then resumed on one device to step 20.
+    # The trainer itself on the mesh: 10 steps saved sharded, then resumed on one device to step 20,
+    # against the 20 steps above on one device (the same batches: a batch is a function of the step).
     lm.train(cfg, run_dir, None, max_steps=10, progress=False, mesh=sharding.make_mesh(2, 4))
     resumed = lm.train(cfg, run_dir, None, max_steps=20, progress=False)
-    straight = lm.train(cfg, run_dir + "-one", None, max_steps=20, progress=False)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(straight["params"])))
+               for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(one_device["params"])))
     devices = {str(d) for x in jax.tree.leaves(resumed["params"]) for d in x.devices()}
     emit(check="train-resume", step=int(resumed["step"]), max_param_diff=diff, devices=sorted(devices))
 

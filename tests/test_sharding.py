@@ -2,9 +2,9 @@
 
 XLA reads the device count once, when jax is imported, so the mesh checks run in subprocesses
 (`tests/mesh_worker.py`) with `--xla_force_host_platform_device_count`; this process keeps its one
-device. Tensor parallelism splits sums (an all-reduce adds partial products in another order), so
-greedy outputs are compared with `compare_greedy` (an honest near-tie is reported, not hidden), and
-the training loss curves within 1e-4 (float32 noise; measured: 1e-6).
+device. Tensor parallelism splits sums (an all-reduce adds partial products in another order): the
+tiny random models' logits are O(1), far from ties at float32 noise, so greedy tokens are compared
+exactly (a difference names its row); the training loss curves within 1e-4 (measured: 1e-6).
 """
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def _compare(ref, got, what):
 
 def test_sharded_generation_equals_one_device_with_declared_layouts():
     """Meshes (8,1), (2,4), (1,8): greedy speculative (lm and feature drafters) and autoregressive
-    output identical to one device, dense and hybrid targets, batch 8 ragged; one compile each.
+    output identical to one device's (greedy: its autoregressive output), dense and hybrid targets,
+    batch 8 ragged; one compile each.
     Autoregressive on every (target, mesh); speculative on a pairwise cover (`mesh_worker.COVER`).
     Then the layouts (one subprocess for both: it is the compiles that cost)."""
     mesh_records = _run(["generate"], devices=8)
@@ -128,7 +129,7 @@ def _check_outputs(mesh_records):
         _compare(r["reference"], r["first"], what)
         _compare(r["reference"], r["again"], what + " (second call)")
         assert r["traces"] == 1, f"{what}: traced {r['traces']} times for two calls"
-    taus = {(r["target"], r["drafter"]): r["tau"] for r in mesh_records if r["check"] == "one-device"}
+    taus = {(r["target"], r["drafter"]): r["tau"] for r in gens if r["drafter"] == "lm"}
     assert taus[("dense", "lm")] > 1.5 and taus[("hybrid", "lm")] > 1.5  # the checks see accepted drafts
 
 
@@ -184,11 +185,14 @@ def test_two_processes_share_one_mesh():
         for p in procs:
             p.kill()
     assert sorted(r["process"] for r in outs) == [0, 1]
-    for r in outs:
+    import specjax
+    from mesh_worker import NEW_TOKENS, _prompts, _targets
+    target, drafters = _targets()["dense"]
+    one = specjax.generate(target, _prompts(target.config.vocab_size), max_new_tokens=NEW_TOKENS).sequences()
+    for r in outs:  # greedy speculative and autoregressive: one device's autoregressive output
         assert r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4
-        _compare(r["ar_local"], r["ar"], f"process {r['process']} ar")
-        _compare(r["lm_local"], r["lm"], f"process {r['process']} lm")
-    assert outs[0]["lm"] == outs[1]["lm"]
+        _compare(one, r["ar"], f"process {r['process']} ar")
+        _compare(one, r["lm"], f"process {r['process']} lm")
 
 
 def test_initialize_distributed_needs_every_variable():
@@ -236,7 +240,7 @@ def tiny_lm_config(tmp_path_factory):
 
 
 def test_lm_trainer_on_a_mesh_matches_one_device(tiny_lm_config):
-    """20 steps of the LM trainer's step on meshes (2,4) and (8,1) give one device's loss curve (within
+    """20 steps of the LM trainer's step on the mesh (2,4) give one device's loss curve (within
     1e-4); parameters and Adam moments stay laid out by the table; a checkpoint saved sharded by
     `train(mesh=...)` resumes on one device and lands where the one-device run does. The feature and
     block trainers on (2,4) take the steps one device takes (2 steps each)."""
@@ -245,8 +249,7 @@ def test_lm_trainer_on_a_mesh_matches_one_device(tiny_lm_config):
     curves = recs["train-curves"]
     one = np.asarray(curves["one"])
     assert len(one) == 20 and one[-1] < one[0] - 0.5  # it learns
-    for name in ("mesh", "data"):
-        np.testing.assert_allclose(curves[name], one, atol=LOSS_TOL, rtol=0, err_msg=name)
+    np.testing.assert_allclose(curves["mesh"], one, atol=LOSS_TOL, rtol=0)
     specs = recs["train-layout"]["specs"]
     assert specs["params/layers/0/self_attn/q_proj/weight"] == [None, "model"]
     assert specs["opt_state/1/0/mu/layers/0/self_attn/q_proj/weight"] == [None, "model"]

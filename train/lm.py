@@ -579,8 +579,7 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     step = mngr.latest_step()
     if step is None:
         raise RunRefused(f"{run_dir}: no checkpoint yet")
-    state = mngr.restore(step, args=ocp.args.StandardRestore(sharding.abstract(
-        sharding.place_params(init_state(cfg), family_rules(cfg.model), None))))
+    state = mngr.restore(step, args=ocp.args.StandardRestore(sharding.abstract(jax.eval_shape(lambda: init_state(cfg)))))
     mngr.close()
     streams = load_streams(cfg, tok, run_dir / "token-cache")
     val_loss = evaluate(cfg, state["params"], data.eval_windows(streams.validation, cfg.eval_seq_len, cfg.eval_tokens))
