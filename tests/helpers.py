@@ -209,3 +209,31 @@ def full_features(target, toks_BxT, layers):
     out = fam.forward(target, toks_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
                       jnp.tril(jnp.ones((B, T, T), bool)), hidden_layers=layers)
     return jnp.concatenate(out.hidden, -1)
+
+
+def stdlib_sample(base, want: dict, vocab_size: int = 300):
+    """A fake stdlib of real stdlib files (any Python version) under `base/lib`, `want` files per split
+    (small top-level modules), its manifest and a byte-level BPE tokenizer trained on its train split.
+    Returns (root, manifest path, tokenizer path)."""
+    import collections
+
+    from train import corpus
+    from train.tokenizer import train_tokenizer
+    src, root = corpus.stdlib_root(), base / "lib"
+    have = collections.Counter()
+    for rel in corpus.list_files(src):
+        split, size = corpus.split_of(rel), (src / rel).stat().st_size
+        if "/" not in rel and 2_000 < size < 30_000 and have[split] < want[split]:
+            try:
+                text = (src / rel).read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text, encoding="utf-8")
+            have[split] += 1
+    assert have == collections.Counter(want), have
+    manifest = base / "manifest.json"
+    corpus.write_manifest(corpus.scan(root), manifest)
+    tok = train_tokenizer(corpus.iter_texts("train", corpus.read_manifest(manifest), root), vocab_size=vocab_size)
+    tok.save(str(base / "tokenizer.json"))
+    return root, manifest, base / "tokenizer.json"

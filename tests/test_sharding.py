@@ -8,7 +8,6 @@ exactly (a difference names its row); the training loss curves within 1e-4 (meas
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
 import socket
@@ -208,31 +207,16 @@ def test_initialize_distributed_needs_every_variable():
 def tiny_lm_config(tmp_path_factory):
     """The LM trainer's tiny config (test_train's corpus of real stdlib files), with 8 rows a batch so
     they split over every data axis."""
-    from train import corpus, lm
-    from train.tokenizer import train_tokenizer
+    from helpers import stdlib_sample
+    from train import lm
     base = tmp_path_factory.mktemp("mesh_zoo")
-    src, root = corpus.stdlib_root(), base / "lib"
-    want, have = {"train": 12, "validation": 2, "test": 1}, collections.Counter()
-    for rel in corpus.list_files(src):
-        split, size = corpus.split_of(rel), (src / rel).stat().st_size
-        if "/" not in rel and 2_000 < size < 30_000 and have[split] < want[split]:
-            try:
-                text = (src / rel).read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                continue
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_text(text, encoding="utf-8")
-            have[split] += 1
-    manifest = base / "manifest.json"
-    corpus.write_manifest(corpus.scan(root), manifest)
-    tok = train_tokenizer(corpus.iter_texts("train", corpus.read_manifest(manifest), root), vocab_size=300)
-    tok.save(str(base / "tokenizer.json"))
+    root, manifest, _ = stdlib_sample(base, {"train": 12, "validation": 2, "test": 1})
     cfg = {"name": "tiny-mesh", "model": {"model_type": "llama", "vocab_size": 300, "hidden_size": 32,
                                           "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                                           "head_dim": 16, "tie_word_embeddings": True, "max_position_embeddings": 64},
            "tokenizer": str(base / "tokenizer.json"), "phases": [{"seq_len": 16, "steps": 30}],
-           "batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 3, "checkpoint_every": 5, "keep_checkpoints": 2,
-           "eval_every": 10, "eval_seq_len": 16, "eval_tokens": 256,
+           "batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 3, "checkpoint_every": 10, "keep_checkpoints": 2,
+           "eval_every": 100, "eval_seq_len": 16, "eval_tokens": 256,
            "corpus": {"manifest": str(manifest), "root": str(root)}}
     lm.config_from_dict(cfg)  # valid
     (base / "cfg.json").write_text(json.dumps(cfg))

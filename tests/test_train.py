@@ -1,6 +1,5 @@
 """The LM training script on a tiny model and a tiny corpus: learning, exact resume, refusals,
 and an export that specjax and transformers load to the same logits."""
-import collections
 import dataclasses
 import itertools
 import json
@@ -16,7 +15,8 @@ from tokenizers import Tokenizer
 from specjax.checkpoint import load_model
 from specjax.models.transformer import init_cache, prefill
 from train import corpus, data, eval_ppl, lm
-from train.tokenizer import EOT_ID, train_tokenizer
+from helpers import stdlib_sample
+from train.tokenizer import EOT_ID
 
 FULL_STEPS = 30  # 20 at seq 16, then 10 at seq 32 in micro-batches of 2
 
@@ -25,23 +25,7 @@ FULL_STEPS = 30  # 20 at seq 16, then 10 at seq 32 in micro-batches of 2
 def zoo(tmp_path_factory):
     """A fake stdlib of real stdlib files (any Python version), its manifest, a 300-token tokenizer."""
     base = tmp_path_factory.mktemp("zoo")
-    src, root = corpus.stdlib_root(), base / "lib"
-    want, have = {"train": 24, "validation": 3, "test": 2}, collections.Counter()
-    for rel in corpus.list_files(src):
-        split, size = corpus.split_of(rel), (src / rel).stat().st_size
-        if "/" not in rel and 2_000 < size < 30_000 and have[split] < want[split]:
-            try:
-                text = (src / rel).read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                continue
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_text(text, encoding="utf-8")
-            have[split] += 1
-    assert have == collections.Counter(want)
-    manifest = base / "manifest.json"
-    corpus.write_manifest(corpus.scan(root), manifest)
-    tok = train_tokenizer(corpus.iter_texts("train", corpus.read_manifest(manifest), root), vocab_size=300)
-    tok.save(str(base / "tokenizer.json"))
+    root, manifest, _ = stdlib_sample(base, {"train": 24, "validation": 3, "test": 2})
     cfg = lm.config_from_dict({
         "name": "tiny",
         "model": {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,

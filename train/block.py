@@ -378,16 +378,11 @@ def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[
 RULES = Bk.BlockDrafter.partition_rules  # the head's layout on a mesh (design §10)
 
 
+@drafter_run.on_mesh
 def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
     """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
-    drafter_run.check_batch(cfg.batch_size, mesh)
-    with sharding.mesh_context(mesh):
-        return _train(cfg, run_dir, export_dir, max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
-
-
-def _train(cfg, run_dir, export_dir, *, max_steps, overwrite, progress, mesh):
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)

@@ -4,6 +4,7 @@ the orbax checkpoint manager. Each trainer keeps its own loss, loop metrics and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -101,6 +102,19 @@ def mesh_from_args(ap, text: str | None):
         return sharding.parse_mesh(text)
     except ValueError as e:
         ap.error(str(e))
+
+
+def on_mesh(train_fn):
+    """A drafter trainer's `train(cfg, run_dir, export_dir=None, *, max_steps, overwrite, progress, mesh)`
+    run on `mesh` (`specjax.sharding.make_mesh`; None: one device): the batch checked against the data
+    axis, the whole run inside the mesh's context (the step pins the head's layout by its table)."""
+    @functools.wraps(train_fn)
+    def train(cfg, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
+        check_batch(cfg.batch_size, mesh)
+        with sharding.mesh_context(mesh):
+            return train_fn(cfg, run_dir, export_dir, max_steps=max_steps, overwrite=overwrite, progress=progress,
+                            mesh=mesh)
+    return train
 
 
 def check_batch(batch_size: int, mesh) -> None:
