@@ -656,7 +656,7 @@ def main(argv=None) -> None:
             return
         train(cfg, args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
               reschedule=args.reschedule, mesh=mesh)
-    except (RunRefused, corpus.CorpusMismatch, FileNotFoundError) as e:
+    except (RunRefused, corpus.CorpusMismatch, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 
 
