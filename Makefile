@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q -x -n 2 --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal --durations=15 tests
 
 demo: install
 	$(BIN)/python tools/demo.py
