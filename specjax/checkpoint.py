@@ -26,66 +26,76 @@ def hf_tensor_names(cfg: ModelConfig | HybridConfig) -> dict[str, tuple[tuple[st
 
     A tensor that is not transposed is reshaped to the parameter's shape (HF's Conv1d weight
     [C, 1, K] is our [C, K])."""
-    if isinstance(cfg, HybridConfig):
-        return hybrid_tensor_names(cfg)
-    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, V = cfg.hidden_size, cfg.vocab_size
     names: dict = {"model.embed_tokens.weight": (("embed_tokens",), (V, E), False),
                    "model.norm.weight": (("norm", "weight"), (E,), False)}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (("lm_head", "weight"), (V, E), True)
+    hybrid = isinstance(cfg, HybridConfig)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        L = ("layers", i)
-        names[p + "input_layernorm.weight"] = (L + ("input_layernorm", "weight"), (E,), False)
-        names[p + "post_attention_layernorm.weight"] = (L + ("post_attention_layernorm", "weight"), (E,), False)
-        for proj, d_out, d_in in (("q_proj", H * D, E), ("k_proj", K * D, E), ("v_proj", K * D, E), ("o_proj", E, H * D)):
-            names[p + f"self_attn.{proj}.weight"] = (L + ("self_attn", proj, "weight"), (d_out, d_in), True)
-            has_bias = cfg.qkv_bias if proj != "o_proj" else cfg.o_bias
-            if has_bias:
-                names[p + f"self_attn.{proj}.bias"] = (L + ("self_attn", proj, "bias"), (d_out,), False)
-        if cfg.qk_norm:
-            names[p + "self_attn.q_norm.weight"] = (L + ("self_attn", "q_norm", "weight"), (D,), False)
-            names[p + "self_attn.k_norm.weight"] = (L + ("self_attn", "k_norm", "weight"), (D,), False)
-        for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
-            names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
+        kind = cfg.layer_types[i] if hybrid else "full_attention"
+        names.update(layer_tensor_names(cfg, kind, f"model.layers.{i}.", ("layers", i)))
     return names
 
 
-def hybrid_tensor_names(cfg: HybridConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
-    """Qwen3NextForCausalLM's tensors (dense MLP in every layer)."""
-    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+def layer_tensor_names(cfg: ModelConfig | HybridConfig, kind: str, prefix: str, path: tuple) -> dict:
+    """One decoder layer's tensors (`hf_tensor_names`' entries) under the HF `prefix` and the nnx `path`:
+    a dense layer, or a hybrid layer of `kind` ("linear_attention": Gated DeltaNet, "full_attention":
+    gated attention; dense MLP either way)."""
+    E, F = cfg.hidden_size, cfg.intermediate_size
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    names: dict = {"model.embed_tokens.weight": (("embed_tokens",), (V, E), False),
-                   "model.norm.weight": (("norm", "weight"), (E,), False)}
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (("lm_head", "weight"), (V, E), True)
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        L = ("layers", i)
-        names[p + "input_layernorm.weight"] = (L + ("input_layernorm", "weight"), (E,), False)
-        names[p + "post_attention_layernorm.weight"] = (L + ("post_attention_layernorm", "weight"), (E,), False)
-        if kind == "linear_attention":
-            a, A = p + "linear_attn.", L + ("linear_attn",)
-            names[a + "in_proj_qkvz.weight"] = (A + ("in_proj_qkvz", "weight"), (2 * Hk * dk + 2 * Hv * dv, E), True)
-            names[a + "in_proj_ba.weight"] = (A + ("in_proj_ba", "weight"), (2 * Hv, E), True)
-            names[a + "conv1d.weight"] = (A + ("conv1d", "weight"), (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False)
-            names[a + "dt_bias"] = (A + ("dt_bias",), (Hv,), False)
-            names[a + "A_log"] = (A + ("A_log",), (Hv,), False)
-            names[a + "norm.weight"] = (A + ("norm", "weight"), (dv,), False)
-            names[a + "out_proj.weight"] = (A + ("out_proj", "weight"), (E, Hv * dv), True)
-        else:
-            a, A = p + "self_attn.", L + ("self_attn",)
-            for proj, d_out, d_in in (("q_proj", 2 * H * D, E), ("k_proj", K * D, E), ("v_proj", K * D, E), ("o_proj", E, H * D)):
-                names[a + f"{proj}.weight"] = (A + (proj, "weight"), (d_out, d_in), True)
-                if cfg.attention_bias:
-                    names[a + f"{proj}.bias"] = (A + (proj, "bias"), (d_out,), False)
+    p, L = prefix, path
+    names: dict = {p + "input_layernorm.weight": (L + ("input_layernorm", "weight"), (E,), False),
+                   p + "post_attention_layernorm.weight": (L + ("post_attention_layernorm", "weight"), (E,), False)}
+    hybrid = isinstance(cfg, HybridConfig)
+    if kind == "linear_attention":
+        Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        a, A = p + "linear_attn.", L + ("linear_attn",)
+        names[a + "in_proj_qkvz.weight"] = (A + ("in_proj_qkvz", "weight"), (2 * Hk * dk + 2 * Hv * dv, E), True)
+        names[a + "in_proj_ba.weight"] = (A + ("in_proj_ba", "weight"), (2 * Hv, E), True)
+        names[a + "conv1d.weight"] = (A + ("conv1d", "weight"), (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), False)
+        names[a + "dt_bias"] = (A + ("dt_bias",), (Hv,), False)
+        names[a + "A_log"] = (A + ("A_log",), (Hv,), False)
+        names[a + "norm.weight"] = (A + ("norm", "weight"), (dv,), False)
+        names[a + "out_proj.weight"] = (A + ("out_proj", "weight"), (E, Hv * dv), True)
+    else:
+        a, A = p + "self_attn.", L + ("self_attn",)
+        q_out = 2 * H * D if hybrid else H * D  # the hybrid's query carries its output gate
+        for proj, d_out, d_in in (("q_proj", q_out, E), ("k_proj", K * D, E), ("v_proj", K * D, E), ("o_proj", E, H * D)):
+            names[a + f"{proj}.weight"] = (A + (proj, "weight"), (d_out, d_in), True)
+            has_bias = cfg.attention_bias if hybrid else (cfg.qkv_bias if proj != "o_proj" else cfg.o_bias)
+            if has_bias:
+                names[a + f"{proj}.bias"] = (A + (proj, "bias"), (d_out,), False)
+        if hybrid or cfg.qk_norm:
             names[a + "q_norm.weight"] = (A + ("q_norm", "weight"), (D,), False)
             names[a + "k_norm.weight"] = (A + ("k_norm", "weight"), (D,), False)
-        for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
-            names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
+    for proj, d_out, d_in in (("gate_proj", F, E), ("up_proj", F, E), ("down_proj", E, F)):
+        names[p + f"mlp.{proj}.weight"] = (L + ("mlp", proj, "weight"), (d_out, d_in), True)
     return names
+
+
+MTP_PREFIX = "mtp."  # Qwen3-Next's multi-token-prediction tensors, beside the model's own
+
+
+def mtp_tensor_names(cfg: ModelConfig | HybridConfig, num_layers: int) -> dict:
+    """An MTP module's tensors in Qwen3-Next's layout (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden`, `mtp.layers.{j}.*` as the family's attention layer, `mtp.norm`), as
+    `hf_tensor_names` entries whose paths are the `specjax.drafters.mtp.MTPHead`'s. The dense family
+    uses the same names under the same prefix."""
+    E = cfg.hidden_size
+    names: dict = {"mtp.fc.weight": (("fc", "weight"), (E, 2 * E), True)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        names[f"mtp.{norm}.weight"] = ((norm, "weight"), (E,), False)
+    for j in range(num_layers):
+        names.update(layer_tensor_names(cfg, "full_attention", f"mtp.layers.{j}.", ("layers", j)))
+    return names
+
+
+def mtp_num_layers(tensors) -> int:
+    """How many MTP layers a checkpoint's tensor names hold (0: none)."""
+    import re
+    found = {int(m.group(1)) for n in tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}
+    return max(found) + 1 if found else 0
 
 
 def has_weights(path) -> bool:
@@ -95,14 +105,52 @@ def has_weights(path) -> bool:
 
 def weights_sha256(path) -> str:
     """sha256 of a model directory's tensors serialised as one `model.safetensors` file, so the
-    digest names the weights, not how they are sharded (a resharded export keeps its digest)."""
+    digest names the weights, not how they are sharded (a resharded export keeps its digest). MTP
+    tensors (`mtp.*`) are not the model's: a checkpoint that gains its MTP layer keeps its digest, and
+    the drafters trained on it stay valid."""
     import hashlib
+    from safetensors import safe_open
     from safetensors.numpy import save
     single = os.path.join(str(path), "model.safetensors")
     if os.path.exists(single):
-        with open(single, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    return hashlib.sha256(save(_read_tensors(str(path)), metadata={"format": "pt"})).hexdigest()
+        with safe_open(single, "numpy") as f:
+            has_mtp = any(k.startswith(MTP_PREFIX) for k in f.keys())
+        if not has_mtp:
+            with open(single, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+    tensors = {k: v for k, v in _read_tensors(str(path)).items() if not k.startswith(MTP_PREFIX)}
+    return hashlib.sha256(save(tensors, metadata={"format": "pt"})).hexdigest()
+
+
+def read_mtp_tensors(path: str) -> dict[str, np.ndarray]:
+    """The `mtp.*` tensors of a model directory (empty when it ships none)."""
+    return {k: v for k, v in _read_tensors(str(path)).items() if k.startswith(MTP_PREFIX)}
+
+
+def write_mtp_tensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Adds (or replaces) `mtp.*` tensors in a model directory's own safetensors, as Qwen3-Next ships
+    them: into `model.safetensors`, or as one more shard listed in the index of a sharded checkpoint
+    (`model-mtp.safetensors`). A directory without weights gets a `model.safetensors` of these alone."""
+    if any(not k.startswith(MTP_PREFIX) for k in tensors):
+        raise ValueError(f"write_mtp_tensors: not MTP tensors: {sorted(k for k in tensors if not k.startswith(MTP_PREFIX))[:3]}")
+    os.makedirs(path, exist_ok=True)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            idx = json.load(f)
+        weight_map = {k: v for k, v in idx["weight_map"].items() if not k.startswith(MTP_PREFIX)}
+        shard = "model-mtp.safetensors"
+        save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in tensors})
+        idx["weight_map"] = weight_map
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=2)
+        return
+    single = os.path.join(path, "model.safetensors")
+    kept = {}
+    if os.path.exists(single):
+        kept = {k: v for k, v in load_file(single).items() if not k.startswith(MTP_PREFIX)}
+    save_file({**kept, **tensors}, single, metadata={"format": "pt"})
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:

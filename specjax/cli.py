@@ -62,10 +62,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="run the batch once untimed first, so ms_per_token is the steady state "
                         "(compile_s then reports the warm-up's compilation)")
-    p.add_argument("--drafter", action="append", default=[], metavar="DIR|ngram",
-                   help="speculative decoding with this drafter: 'ngram' (prompt lookup), a feature-drafter "
-                        "directory, or a small model directory with the same tokenizer. Give two, cheapest "
-                        "first, with --treegraft")
+    p.add_argument("--drafter", action="append", default=[], metavar="DIR|ngram|mtp",
+                   help="speculative decoding with this drafter: 'ngram' (prompt lookup), 'mtp' (the MTP layers "
+                        "shipped in the model's own checkpoint), a feature-, block- or MTP-drafter directory, or "
+                        "a small model directory with the same tokenizer. Give two, cheapest first, with --treegraft")
     p.add_argument("--treegraft", default=None, metavar="SCHEDULER_DIR|always|never",
                    help="TreeGraft over the two --drafter flags (cheap, then strong): the strong drafter rescores "
                         "and grafts the cheap drafter's tree when the scheduler (a directory written by "

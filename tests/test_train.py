@@ -286,6 +286,43 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     assert got.sequences() == ref.sequences()
 
 
+# ----------------------------------------------------------------------------- MTP module
+
+def test_mtp_module_trains_resumes_exports_and_drafts_losslessly(zoo, full_run):
+    """`train.mtp` on the tiny target (its loop is `train.feature`'s, `drafter_run.run_unrolled`):
+    learns, stops and resumes to the same parameters, exports bf16 `mtp.*` tensors and a card, and
+    the export drafts losslessly; the token-CE objective trains too."""
+    import specjax
+    from specjax.drafters import MTPDrafter, load_drafter
+    from train import model_card, mtp
+
+    base = dict(name="tiny-mtp", target=str(full_run["export"]), num_layers=1, ttt_steps=2, seq_len=32, batch_size=4,
+                steps=6, learning_rate=3e-3, warmup_steps=1, checkpoint_every=3, eval_every=6, eval_tokens=128,
+                manifest=str(zoo["manifest"]), corpus_root=str(zoo["root"]))
+    cfg = mtp.MTPTrainConfig(**base)
+    straight = mtp.train(cfg, zoo["base"] / "mtp-straight", zoo["base"] / "mtp-export", progress=False)
+    metrics = [json.loads(l) for l in (zoo["base"] / "mtp-straight" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics[-1]["val_agree"]) == 2 and metrics[-1]["val_loss"] < np.log(300)
+    mtp.train(cfg, zoo["base"] / "mtp-resume", max_steps=3, progress=False)
+    resumed = mtp.train(cfg, zoo["base"] / "mtp-resume", progress=False)
+    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="loss"):
+        mtp.MTPTrainConfig(**{**base, "loss": "mse"})
+    tokens_ce = mtp.train(mtp.MTPTrainConfig(**{**base, "loss": "tokens", "steps": 2}), zoo["base"] / "mtp-tokens",
+                          progress=False)
+    assert np.isfinite(float(jax.tree.leaves(tokens_ce["params"])[0].sum()))
+    target = load_model(str(full_run["export"]))
+    drafter = load_drafter(str(zoo["base"] / "mtp-export"), target, target_path=str(full_run["export"]))
+    assert isinstance(drafter, MTPDrafter)
+    card, _ = model_card.mtp_card(zoo["base"] / "mtp-export")
+    assert "configs/tiny-mtp.json" in card and "mtp.fc" in card
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
+    ref = specjax.generate(target, prompts, max_new_tokens=12)
+    got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")
+    assert got.sequences() == ref.sequences()
+
+
 # ----------------------------------------------------------------------------- block drafter (DSpark)
 
 def _block_cfg(zoo, full_run, **kw):

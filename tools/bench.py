@@ -6,6 +6,7 @@ tokens/s, speedup over our autoregressive loop measured in the same run, tau (me
 length, bonus included) and per-depth acceptance, medians over repeats after untimed warm-up
 calls (one per prompt-length bucket, so every shape is compiled before timing).
 
+An MTP module (`--mtp`: multi-token prediction, design §5f) drafts chains of 1..4 and a dynamic tree.
 Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation; `--ready`: ReaDy, DSpark
 reading a hybrid target's recurrent states; `--dpara`: DPara, DSpark with the next block precomputed
 for every acceptance boundary; `--block NAME=DIR`: any other, e.g. an ablation) draft a
@@ -139,15 +140,16 @@ def tree_methods(name: str, drafter: BlockDrafter, budgets, taps_costs=None) -> 
 
 def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict | None = None) -> list[Method]:
     out = [Method("ar", None), Method("ar T=1", None, temperature=1.0)]
-    trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "depth=6,topk=6,nodes=24"),
-             "ngram": ("chain=6", "depth=6,topk=3,nodes=16")}
+    trees = {"lm": ("chain=4", "depth=5,topk=4,nodes=16"), "feature": ("chain=5", "chain=3", "depth=6,topk=6,nodes=24"),
+             "ngram": ("chain=6", "depth=6,topk=3,nodes=16"),
+             "mtp": ("chain=3", "chain=1", "chain=2", "chain=4", "depth=5,topk=4,nodes=16")}
     for name, drafter in drafters.items():
         if isinstance(drafter, BlockDrafter):
             out += block_methods(name, drafter, threshold, (schedule_costs or {}).get(name))
             continue
         for t in trees.get(name, ("chain=4",)):
             out.append(Method(f"{name} {t}", name, t))
-        chain = trees.get(name, ("chain=4",))[0]
+        chain = trees.get(name, ("chain=4",))[0]  # the temperature-1 rows draft the first
         out.append(Method(f"{name} {chain} T=1", name, chain, 1.0))
         if name != "ngram":  # a drafter with a distribution q: also the sampled-candidates rule
             out.append(Method(f"{name} {chain} T=1 sampled", name, chain, 1.0, verify="sampled"))
@@ -374,6 +376,10 @@ def zoo_setup(args):
     for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready), ("dpara", args.dpara)] + extra:
         if d and os.path.isdir(d):  # block drafters, where trained
             drafters[name] = load_drafter(d, target, target_path=args.target)
+    if args.mtp and os.path.isdir(args.mtp):  # an MTP module: its own directory, or the target's own mtp.* tensors
+        drafters["mtp"] = load_drafter(args.mtp, target, target_path=args.target)
+    elif args.mtp == "target":
+        drafters["mtp"] = load_drafter("mtp", target, target_path=args.target)
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
@@ -481,6 +487,9 @@ def main(argv=None):
     ap.add_argument("--dpara", default=None,
                     help="DPara block drafter, DSpark with its next block precomputed for every acceptance boundary "
                          "(default: TARGET-dpara where it exists; '' for none)")
+    ap.add_argument("--mtp", default=None,
+                    help="MTP module (default: TARGET-mtp where it exists; 'target' for the mtp.* tensors in the target's "
+                         "own checkpoint; '' for none)")
     ap.add_argument("--block", action="append", default=[], metavar="NAME=DIR",
                     help="another block drafter under a method name of its own (repeatable), e.g. an ablation: "
                          "--block ready-l6=runs/ready-l6-export")
@@ -517,11 +526,13 @@ def main(argv=None):
         args.ready = f"{args.target.rstrip('/')}-ready"
     if args.dpara is None:
         args.dpara = f"{args.target.rstrip('/')}-dpara"
+    if args.mtp is None:
+        args.mtp = f"{args.target.rstrip('/')}-mtp"
     for x in args.block:
         name, eq, d = x.partition("=")
         if not eq or not name or not d or any(c in name for c in " ,="):
             ap.error(f"--block {x!r}: expected NAME=DIR (a name without spaces or commas)")
-        if name in ("lm", "feature", "ngram", "dspark", "dflash", "ready", "dpara"):
+        if name in ("lm", "feature", "ngram", "dspark", "dflash", "ready", "dpara", "mtp"):
             ap.error(f"--block {x!r}: {name!r} names a built-in drafter; pick another name")
         if not os.path.isdir(d):
             ap.error(f"--block {x!r}: no such directory")

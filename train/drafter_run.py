@@ -1,21 +1,29 @@
-"""What the drafter trainers (`train.feature`, `train.block`) share: the config file, the
-optimizer, the run's identity (what may not change on resume), the run directory's refusals, and
-the orbax checkpoint manager. Each trainer keeps its own loss, loop metrics and export."""
+"""What the drafter trainers (`train.feature`, `train.block`, `train.mtp`) share: the config file, the
+optimizer, the run's identity (what may not change on resume), the run directory's refusals, the
+orbax checkpoint manager, and for the unrolled (training-time-test) drafters, feature and MTP, the
+loss over unrolled steps and the whole training loop (`run_unrolled`). Each trainer keeps its own
+model, loss and export."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 import shutil
+import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from tqdm import tqdm
 
 from specjax import sharding
-from specjax.checkpoint import weights_sha256
-from train.lm import RunRefused
+from specjax.checkpoint import load_tokenizer, weights_sha256
+from train import data
+from train.lm import RunRefused, _resolve, load_streams_for
 
 RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between sessions of one run
 
@@ -122,3 +130,127 @@ def check_batch(batch_size: int, mesh) -> None:
     if mesh is not None and batch_size % sharding.axis_size(mesh, sharding.DATA):
         raise ValueError(f"batch_size {batch_size} does not split over the mesh's data axis "
                          f"({sharding.axis_size(mesh, sharding.DATA)})")
+
+
+# ----------------------------------------------------------------------------- unrolled drafters (feature, MTP)
+
+def unrolled_loss(logits_KxBxTxV, target_logits_BxTxV, decay: float, tokens_BxT=None):
+    """The loss of K unrolled draft steps (training-time test): step k at anchor a predicts token
+    a+k+1, whose target distribution sits at position a+k; soft cross-entropy to the frozen target's
+    distribution, or with `tokens_BxT` cross-entropy on the data's own token a+k+1. Steps weighted by
+    `decay ** (k - 1)`. Returns (weighted loss, (per-step loss [K], per-step top-1 agreement with
+    the target [K]))."""
+    K, B, T = logits_KxBxTxV.shape[:3]
+    p_target = jax.nn.softmax(target_logits_BxTxV, axis=-1)  # [B, T, V]: token t+1
+    losses, agree = [], []
+    for k in range(1, K + 1):
+        tgt = jnp.roll(p_target, -k, axis=1)
+        valid = (jnp.arange(T) + k < T)[None] * jnp.ones((B, 1))
+        if tokens_BxT is None:
+            ce = optax.softmax_cross_entropy(logits_KxBxTxV[k - 1], tgt)
+        else:
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits_KxBxTxV[k - 1], jnp.roll(tokens_BxT, -k - 1, axis=1))
+        losses.append(jnp.sum(ce * valid) / jnp.sum(valid))
+        hit = jnp.argmax(logits_KxBxTxV[k - 1], -1) == jnp.argmax(tgt, -1)
+        agree.append(jnp.sum(hit * valid) / jnp.sum(valid))
+    losses, agree = jnp.stack(losses), jnp.stack(agree)
+    weights = decay ** jnp.arange(K)
+    return jnp.sum(weights * losses) / jnp.sum(weights), (losses, agree)
+
+
+def unrolled_steps(cfg, loss_of, init_params, rules):
+    """(train_step, eval_step, init) of an unrolled drafter: `loss_of(params, tokens) -> (loss,
+    (per-step loss, agreement))` (`unrolled_loss`), `init_params() -> the head's nnx.Param state`;
+    AdamW (`optimizer`), the new state pinned to the head's layout (`rules`) on a mesh."""
+    schedule, tx = optimizer(cfg)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, tokens):
+        (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens)
+        updates, opt = tx.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1}
+        return (sharding.constrain(new, sharding.param_specs(new, rules)),  # on a mesh: one layout every step
+                {"loss": loss, "per_step": per_step, "agree": agree, "lr": schedule(state["step"])})
+
+    @jax.jit
+    def eval_step(params, tokens):
+        loss, (per_step, agree) = loss_of(params, tokens)
+        return loss, per_step, agree
+
+    def init():
+        params = init_params()
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return train_step, eval_step, init
+
+
+def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
+                 overwrite=False, progress=True, mesh=None):
+    """The training loop of a drafter trained with `unrolled_loss` (feature, MTP): resumable (orbax,
+    same data order), validation records to metrics.jsonl, and at the last step the export:
+    `save_head(params, export_dir)` + `train_info.json`. `train_step(state, tokens) -> (state, metrics)`,
+    `eval_step(params, tokens) -> (loss, per-step loss, agreement)`, `init() -> state`; `rules`: the
+    head's layout on `mesh`."""
+    run_dir = Path(run_dir)
+    export_dir = Path(export_dir) if export_dir is not None else None
+    target_dir = _resolve(cfg.target)
+    ident = identity(cfg, target_dir)
+    open_run(run_dir, export_dir, ident, overwrite)
+    tok = load_tokenizer(str(target_dir))
+    streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
+    val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
+
+    state = sharding.place_params(init(), rules, mesh)
+    mngr, state = checkpoints(run_dir, cfg.checkpoint_every, state)
+    start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
+    t_last, n_tok = time.perf_counter(), 0
+    record = None
+    for step in range(start, stop):
+        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
+        loss = float(m["loss"])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step + 1}")
+        n_tok += batch.size
+        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{float(m['agree'][0]):.2f}",
+                        tok_s=f"{n_tok / (time.perf_counter() - t_last):.0f}", refresh=False)
+        bar.update(1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
+            record.update(step=done, train_loss=loss, lr=float(m["lr"]))
+            with (run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.write(f"step {done}: val loss {record['val_loss']:.4f}, top-1 agreement by step {record['val_agree']}")
+            t_last, n_tok = time.perf_counter(), 0
+        mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    if int(state["step"]) == cfg.steps and export_dir is not None:
+        if record is None:
+            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
+        save_head(state["params"], export_dir)
+        (export_dir / "train_info.json").write_text(json.dumps(train_info(cfg, ident, record), indent=2) + "\n")
+        print(f"exported {export_dir}")
+    return state
+
+
+def train_info(cfg, ident: dict, record: dict) -> dict:
+    """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
+    read), the target's weights digest, the positions trained on, the final validation record."""
+    return {"run": {"config": config_record(cfg), "target_sha256": ident["target_sha256"]},
+            "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
+
+
+def evaluate(eval_step, params, windows, batch_size) -> dict:
+    n = (len(windows) // batch_size) * batch_size or len(windows)
+    losses, per, agree = [], [], []
+    for i in range(0, n, batch_size):
+        loss, p, a = eval_step(params, jnp.asarray(windows[i:i + batch_size]))
+        losses.append(float(loss))
+        per.append(np.asarray(p))
+        agree.append(np.asarray(a))
+    return {"val_loss": float(np.mean(losses)), "val_step_loss": np.mean(per, 0).round(4).tolist(),
+            "val_agree": np.mean(agree, 0).round(4).tolist()}

@@ -17,26 +17,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm import tqdm
 
 from specjax import sharding
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.checkpoint import load_model
 from specjax.drafters import feature as F
 from specjax.models import family, transformer
-from train import data, drafter_run
-from train.lm import REPO, RunRefused, _resolve, load_streams_for
+from train import drafter_run
+from train.lm import REPO, RunRefused, _resolve
 
 @dataclasses.dataclass(frozen=True)
 class FeatureTrainConfig:
@@ -78,20 +71,8 @@ def ttt_loss(head, target, tokens_BxT, decay: float, steps: int):
     out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
                       transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
     feats = jax.lax.stop_gradient(F.target_features(out))
-    p_target = jax.lax.stop_gradient(jax.nn.softmax(out.logits, axis=-1))  # [B, T, V]: token t+1
     logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
-    losses, agree = [], []
-    for k in range(1, steps + 1):
-        # step k at anchor a predicts token a+k+1, whose target distribution sits at position a+k
-        tgt = jnp.roll(p_target, -k, axis=1)
-        valid = (jnp.arange(T) + k < T)[None]
-        ce = optax.softmax_cross_entropy(logits[k - 1], tgt)
-        losses.append(jnp.sum(ce * valid) / jnp.sum(valid * jnp.ones((B, 1))))
-        hit = jnp.argmax(logits[k - 1], -1) == jnp.argmax(tgt, -1)
-        agree.append(jnp.sum(hit * valid) / jnp.sum(valid * jnp.ones((B, 1))))
-    losses, agree = jnp.stack(losses), jnp.stack(agree)
-    weights = decay ** jnp.arange(steps)
-    return jnp.sum(weights * losses) / jnp.sum(weights), (losses, agree)
+    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay)
 
 
 @functools.lru_cache(maxsize=4)
@@ -100,29 +81,13 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
     hcfg = head_config(cfg, target)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
-    schedule, tx = drafter_run.optimizer(cfg)
 
     def loss_of(params, tokens):
         return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
                         cfg.depth_decay, cfg.ttt_steps)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, tokens):
-        (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens)
-        updates, opt = tx.update(grads, state["opt_state"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1}
-        return (sharding.constrain(new, sharding.param_specs(new, RULES)),  # on a mesh: one layout every step
-                {"loss": loss, "per_step": per_step, "agree": agree, "lr": schedule(state["step"])})
-
-    @jax.jit
-    def eval_step(params, tokens):
-        loss, (per_step, agree) = loss_of(params, tokens)
-        return loss, per_step, agree
-
-    def init():
-        params = nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-
+    train_step, eval_step, init = drafter_run.unrolled_steps(
+        cfg, loss_of, lambda: nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param), RULES)
     return target, hcfg, head_def, train_step, eval_step, init
 
 
@@ -134,72 +99,10 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
-    run_dir = Path(run_dir)
-    export_dir = Path(export_dir) if export_dir is not None else None
-    target_dir = _resolve(cfg.target)
-    identity = drafter_run.identity(cfg, target_dir)
-    drafter_run.open_run(run_dir, export_dir, identity, overwrite)
-
-    target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))
-    tok = load_tokenizer(str(target_dir))
-    streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
-    val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
-
-    state = sharding.place_params(init(), RULES, mesh)
-    mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
-    start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
-    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
-    t_last, n_tok = time.perf_counter(), 0
-    record = None
-    for step in range(start, stop):
-        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
-        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
-        loss = float(m["loss"])
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step + 1}")
-        n_tok += batch.size
-        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{float(m['agree'][0]):.2f}",
-                        tok_s=f"{n_tok / (time.perf_counter() - t_last):.0f}", refresh=False)
-        bar.update(1)
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
-            record.update(step=done, train_loss=loss, lr=float(m["lr"]))
-            with (run_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.write(f"step {done}: val loss {record['val_loss']:.4f}, top-1 agreement by step {record['val_agree']}")
-            t_last, n_tok = time.perf_counter(), 0
-        mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    if int(state["step"]) == cfg.steps and export_dir is not None:
-        if record is None:
-            record = evaluate(eval_step, state["params"], val, cfg.batch_size)
-        F.save_feature_head(nnx.merge(head_def, state["params"]), str(export_dir))
-        (export_dir / "train_info.json").write_text(json.dumps(train_info(cfg, identity, record), indent=2) + "\n")
-        print(f"exported {export_dir}")
-    return state
-
-
-def train_info(cfg: FeatureTrainConfig, identity: dict, record: dict) -> dict:
-    """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
-    read), the target's weights digest, the positions trained on, the final validation record."""
-    config = drafter_run.config_record(cfg)
-    return {"run": {"config": config, "target_sha256": identity["target_sha256"]},
-            "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
-
-
-def evaluate(eval_step, params, windows, batch_size) -> dict:
-    n = (len(windows) // batch_size) * batch_size or len(windows)
-    losses, per, agree = [], [], []
-    for i in range(0, n, batch_size):
-        loss, p, a = eval_step(params, jnp.asarray(windows[i:i + batch_size]))
-        losses.append(float(loss))
-        per.append(np.asarray(p))
-        agree.append(np.asarray(a))
-    return {"val_loss": float(np.mean(losses)), "val_step_loss": np.mean(per, 0).round(4).tolist(),
-            "val_agree": np.mean(agree, 0).round(4).tolist()}
+    _, _, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
+    return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES,
+                                    lambda params, d: F.save_feature_head(nnx.merge(head_def, params), str(d)),
+                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
 
 
 def main(argv=None):

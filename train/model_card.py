@@ -167,6 +167,59 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
+def mtp_card(model_dir: Path) -> tuple[str, dict]:
+    """The card of an MTP module (`train.mtp`)."""
+    dcfg = json.loads((model_dir / "drafter_config.json").read_text())
+    info = json.loads((model_dir / "train_info.json").read_text())
+    cfg, final = info["run"]["config"], info["final"]
+    name = cfg["name"]
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(str(model_dir / "model.safetensors"))
+    n_params = sum(v.size for v in tensors.values())
+    size = (model_dir / "model.safetensors").stat().st_size
+    fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    tokens = cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
+    objective = ("soft cross-entropy to the frozen target's distribution of the predicted token" if cfg["loss"] == "distill"
+                 else "cross-entropy on the data's own token")
+    card = f"""# {name}
+
+Multi-token-prediction module for `{cfg['target']}` (`specjax/drafters/mtp.py`, design §5f):
+h' = fc([norm(E[t+1]); norm(h_t)]) (2d → d), {dcfg['num_layers']} decoder layer(s) of the target's own
+family with a KV cache of their own, a final norm and the target's LM head → t+2; drafting step j feeds
+its own h' back through layer j mod {dcfg['num_layers']}. h is the target's last hidden state after its
+final norm (what its LM head reads). {n_params / 1e6:.2f}M parameters of its own, bf16
+({size / 1e6:.1f} MB), stored under Qwen3-Next's names (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.layers.*`, `mtp.norm`): a directory of its own here (copying the target
+to ship them inside would add the target's size to the zoo); `specjax.drafters.mtp.merge_into_target`
+writes the same tensors into a target's own safetensors, where `--drafter mtp` reads them (the target's
+weight digest excludes `mtp.*`). `specjax.drafters.load_drafter` reads this directory for that target
+only (shapes checked; given `target_path`, the target weights too, against the digest in `train_info.json`).
+
+## Training
+`train/mtp.py`, config `configs/{name}.json`, post hoc on the frozen target: training-time test with
+{cfg['ttt_steps']} unrolled steps (each step fed the module's own previous output, as in drafting; loss weight
+{cfg['depth_decay']:g}^(step-1)), {objective}, on train-split windows of {cfg['seq_len']} tokens, batch
+{cfg['batch_size']}, {cfg['steps']} steps ({tokens:,} positions), AdamW lr {cfg['learning_rate']:g} with warm-up
+{cfg['warmup_steps']} and cosine decay.
+
+## Evaluation (validation split, {cfg['eval_tokens']} tokens)
+| unrolled step | 1 → {cfg['ttt_steps']} |
+|---|---|
+| loss | {fmt(final['val_step_loss'])} |
+| top-1 agreement with the target | {fmt(final['val_agree'])} |
+
+Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
+
+## Reproduce
+```
+python -m train.mtp --config configs/{name}.json --run-dir runs/{name} --export models/{name}
+python -m train.model_card --model models/{name}
+```
+"""
+    return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
+
+
 def block_card(model_dir: Path) -> tuple[str, dict]:
     """The card of a block drafter (DSpark / DFlash, `train.block`)."""
     dcfg = json.loads((model_dir / "drafter_config.json").read_text())
@@ -448,7 +501,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if (args.model / "drafter_config.json").exists():
         kind = json.loads((args.model / "drafter_config.json").read_text()).get("drafter")
-        card, record = block_card(args.model) if kind == "block" else feature_card(args.model)
+        card, record = {"block": block_card, "mtp": mtp_card}.get(kind, feature_card)(args.model)
     else:
         reuse = None
         if args.reuse_eval:

@@ -3,15 +3,17 @@ from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, So
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
 from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
 from specjax.drafters.lm import LMDrafter
+from specjax.drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from specjax.drafters.ngram import NgramDrafter
 
-__all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
+__all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None):
-    """A drafter from a command-line spec: `ngram` (or `ngram:N` for the longest n-gram), a
-    feature- or block-drafter directory (`drafter_config.json`, its "drafter" key says which), or a
-    Hugging Face model directory (lm).
+    """A drafter from a command-line spec: `ngram` (or `ngram:N` for the longest n-gram), `mtp` (the
+    MTP layers shipped in the target's own checkpoint, `target_path`), a feature-, block- or
+    MTP-drafter directory (`drafter_config.json`, its "drafter" key says which), or a Hugging Face
+    model directory (lm).
     `confidence` / `costs`: a block drafter's confidence cut ("off", a threshold, or "schedule" with
     round seconds per verify width; see `specjax.drafters.block.BlockDrafter`).
     `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters).
@@ -25,7 +27,15 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     from specjax.checkpoint import load_model
     from specjax.drafters.block import load_block_head
     from specjax.drafters.feature import load_feature_head
+    from specjax.drafters.mtp import load_mtp_head
 
+    if spec == "mtp":
+        if target_path is None:
+            raise ValueError("drafter 'mtp' drafts with the MTP layers of the target's own checkpoint: "
+                             "give the target's directory")
+        if fold is not None or confidence not in (None, "off") or costs is not None:
+            raise ValueError("the MTP drafter takes neither FOLD nor a confidence cut")
+        return MTPDrafter(load_mtp_head(target_path, target.config, dtype=target.config.dtype), target)
     if spec == "ngram" or spec.startswith("ngram:"):
         if confidence not in (None, "off") or costs is not None:
             raise ValueError("a confidence cut needs a block drafter (DSpark); the n-gram drafter is not")
@@ -46,8 +56,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
                 kind = json.load(f).get("drafter")
         except (OSError, ValueError, AttributeError) as e:
             raise ValueError(f"{config_file}: unreadable ({e})") from None
-        if kind not in ("feature", "block"):
-            raise ValueError(f"{config_file}: unknown drafter kind {kind!r} (feature or block)")
+        if kind not in ("feature", "block", "mtp"):
+            raise ValueError(f"{config_file}: unknown drafter kind {kind!r} (feature, block or mtp)")
         if target_path is not None:
             check_feature_target(spec, target_path)
     if kind != "block" and (confidence not in (None, "off") or costs is not None):
@@ -58,6 +68,10 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
         from specjax.taps import read_path_calibration
         return BlockDrafter(load_block_head(spec, dtype=target.config.dtype), target, confidence=confidence,
                             costs=costs, path_calibration=read_path_calibration(spec))
+    if kind == "mtp":
+        if fold is not None:
+            raise ValueError("FOLD is not built for the MTP drafter (use it with an lm or feature drafter)")
+        return MTPDrafter(load_mtp_head(spec, target.config, dtype=target.config.dtype), target)
     if kind == "feature":
         return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)
@@ -84,4 +98,4 @@ def check_feature_target(head_dir: str, target_path: str) -> None:
     actual = weights_sha256(target_path)
     if actual != trained_on:
         raise ValueError(f"drafter {head_dir} was trained on target weights {trained_on[:12]}…, but "
-                         f"{target_path} holds {actual[:12]}… (train one for this target: python -m train.feature / train.block)")
+                         f"{target_path} holds {actual[:12]}… (train one for this target: python -m train.feature / train.block / train.mtp)")

@@ -504,6 +504,25 @@ def _mlp(layer: HybridLayer, x):
     return x + linear(mlp.down_proj, jax.nn.silu(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
 
 
+# One attention decoder layer on its own (an MTP module's; see `transformer.attention_decoder_layer`).
+Norm = OffsetRMSNorm
+apply_norm = offset_rms_norm
+
+
+def attention_layer_module(cfg: HybridConfig, rngs: nnx.Rngs) -> HybridLayer:
+    """A fresh gated-attention decoder layer (Qwen3-Next's `full_attention` layer)."""
+    return HybridLayer(cfg, "full_attention", rngs)
+
+
+def attention_decoder_layer(layer: HybridLayer, cfg: HybridConfig, idx: int, x_BxTxE, positions_BxT, cache: KVCache,
+                            attention, offset_B=None):
+    """A gated-attention decoder layer with partial RoPE at `positions` (K/V to `cache` layer `idx`)."""
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    h = offset_rms_norm(layer.input_layernorm, x_BxTxE)
+    out, cache = attention_layer(layer.self_attn, cfg, h, cos, sin, cache, idx, attention, offset_B)
+    return _mlp(layer, x_BxTxE + out), cache
+
+
 # The embedding and LM head are the transformer's (same parameter names, tied or not).
 embed = transformer.embed
 lm_head = transformer.lm_head

@@ -147,6 +147,24 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     return x_BxTxE, cache
 
 
+# One attention decoder layer on its own, for a module outside the layer stack that runs the
+# family's layer over its own cache (an MTP module, `specjax.drafters.mtp`).
+Norm = RMSNorm  # the family's RMSNorm parameters, and `apply_norm` their function
+apply_norm = rms_norm
+
+
+def attention_layer_module(cfg: ModelConfig, rngs: nnx.Rngs) -> Layer:
+    """A fresh attention decoder layer of this family (HF names: `input_layernorm`, `self_attn.*`, ...)."""
+    return Layer(cfg, rngs)
+
+
+def attention_decoder_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, positions_BxT, cache: KVCache,
+                            attention: attention_lib.LayerAttention, offset_B=None):
+    """`forward_layer` with RoPE at `positions` (the layer's K/V go to `cache` layer `idx`)."""
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    return forward_layer(layer, cfg, idx, x_BxTxE, cos, sin, cache, attention, offset_B)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:

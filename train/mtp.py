@@ -1,0 +1,139 @@
+"""Trains an MTP module post hoc on a frozen target (design §5f, `specjax/drafters/mtp.py`).
+
+Each batch runs the frozen target once for its last hidden state (after the final norm: what its LM
+head reads) and its next-token distributions. The module is trained as it drafts (training-time
+test, `mtp.ttt_logits`): step 1 at every position p predicts t_{p+2} from (h_p, t_{p+1}); steps
+2..k feed the module's own output back (layer (k-1) mod n), each seeing what it sees when drafting.
+Loss: soft cross-entropy to the target's distribution of the predicted token (`loss: "distill"`,
+the default: what acceptance rewards), or cross-entropy on the data's own token (`loss: "tokens"`),
+per step weighted by `depth_decay ** (step - 1)` (`ttt_steps: 1` is the plain t_{i+2} objective).
+Same machinery as `train.feature` (`drafter_run.run_unrolled`): AdamW with warm-up + cosine, orbax
+checkpoints (resumable, same data order), validation to metrics.jsonl, and the export: the `mtp.*`
+tensors in Qwen3-Next's names, bf16, in a directory of their own (`drafter_config.json` +
+`model.safetensors`); `specjax.drafters.mtp.merge_into_target` copies them into the target's own
+safetensors, where `--drafter mtp` finds them (its weight digest, which excludes `mtp.*`, is unchanged).
+
+    python -m train.mtp --config configs/code-target-mtp.json --run-dir runs/code-target-mtp \\
+        --export models/code-target-mtp
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import sharding
+from specjax.checkpoint import load_model
+from specjax.drafters import mtp as M
+from specjax.models import family, transformer
+from train import drafter_run
+from train.lm import REPO, RunRefused, _resolve
+
+LOSSES = ("distill", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPTrainConfig:
+    name: str
+    target: str  # the target's Hugging Face directory
+    num_layers: int = 1  # MTP layers (Qwen3-Next and DeepSeek-V3 ship one)
+    ttt_steps: int = 4  # unrolled steps (1: only t_{i+2})
+    depth_decay: float = 0.8
+    loss: str = "distill"  # "distill": the target's distribution; "tokens": the data's token
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 300
+    seed: int = 0
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    eval_every: int = 100
+    eval_tokens: int = 16384
+    manifest: str = "train/manifest.json"
+    corpus_root: str | None = None  # None: this interpreter's stdlib
+    max_files: int | None = None  # per split (tests)
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r}: expected one of {LOSSES}")
+        if self.num_layers < 1 or self.ttt_steps < 1:
+            raise ValueError(f"num_layers and ttt_steps must be >= 1, got {self.num_layers} / {self.ttt_steps}")
+
+
+def load_config(path) -> MTPTrainConfig:
+    return drafter_run.load_config(MTPTrainConfig, path)
+
+
+def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss: str = "distill"):
+    """(weighted loss, (per-step loss [K], per-step top-1 agreement with the target [K]))."""
+    B, T = tokens_BxT.shape
+    fam = family(target)
+    out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
+                      transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
+    h = jax.lax.stop_gradient(M.target_hidden(target, out.hidden[0]))
+    logits = M.ttt_logits(head, target, tokens_BxT, h, steps)  # [K, B, T, V]
+    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay,
+                                     tokens_BxT if loss == "tokens" else None)
+
+
+@functools.lru_cache(maxsize=4)
+def _fns(cfg: MTPTrainConfig, target_dir: str):
+    target = load_model(target_dir)
+    hcfg = M.MTPConfig.for_target(target.config, cfg.num_layers)
+    head_def = nnx.graphdef(nnx.eval_shape(lambda: M.MTPHead(hcfg, target.config, nnx.Rngs(0))))
+    tgt_def, tgt_params = nnx.split(target)
+
+    def loss_of(params, tokens):
+        return mtp_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, cfg.depth_decay,
+                        cfg.ttt_steps, cfg.loss)
+
+    def init_params():
+        return nnx.state(M.MTPHead(hcfg, target.config, nnx.Rngs(cfg.seed)), nnx.Param)
+
+    return target, head_def, *drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
+
+
+RULES = M.MTPDrafter.partition_rules  # the module's layout on a mesh: its layer has the dense names
+
+
+@drafter_run.on_mesh
+def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
+    """Trains (or resumes) the module; exports when finished. `mesh`: as `train.feature`'s."""
+    _, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
+
+    def save(params, d):
+        M.save_mtp_head(nnx.merge(head_def, params), str(d))
+
+    return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
+                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--export", type=Path)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--mesh", help=sharding.MESH_HELP)
+    args = ap.parse_args(argv)
+    mesh = drafter_run.mesh_from_args(ap, args.mesh)
+    try:
+        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
+              mesh=mesh)
+    except (RunRefused, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax-cache"))
+    main()
