@@ -25,7 +25,7 @@ from flax import nnx
 
 import specjax
 from helpers import chi_square, tiny_target
-from specjax import engine, sampling, tree as tree_lib, verify as V
+from specjax import engine, verify as V
 from specjax.checkpoint import load_model, mtp_tensor_names, read_mtp_tensors, save_model, weights_sha256
 from specjax.drafters import load_drafter
 from specjax.drafters import mtp as M
@@ -124,11 +124,11 @@ def test_greedy_equals_autoregressive_dense(dense_trained, batch):
 def test_greedy_equals_autoregressive_hybrid_two_layers():
     """A hybrid target (the module is its gated-attention layer) with two MTP layers, ragged batch 4."""
     target = _target("hybrid")
-    head, data = _trained(target, n=2, steps=80)
+    head, data = _trained(target, n=2, steps=60)
     prompts = [data[i, :k].tolist() for i, k in zip(range(4), (6, 9, 7, 12))]
-    ref = specjax.generate(target, prompts, max_new_tokens=20).sequences()
+    ref = specjax.generate(target, prompts, max_new_tokens=16).sequences()
     for tree in ("chain=4", "depth=3,topk=2,nodes=6"):
-        got = specjax.generate(target, prompts, max_new_tokens=20, drafters=[M.MTPDrafter(head, target)], tree=tree)
+        got = specjax.generate(target, prompts, max_new_tokens=16, drafters=[M.MTPDrafter(head, target)], tree=tree)
         assert got.sequences() == ref, tree
         assert got.stats["tau"].max() > 1.1, (tree, got.stats["tau"])
 
@@ -221,7 +221,7 @@ def test_qwen3_next_names_and_shapes_as_transformers_sees_them(tmp_path):
     model, info = transformers.Qwen3NextForCausalLM.from_pretrained(path, output_loading_info=True,
                                                                      dtype=torch.float32)
     patterns = model._keys_to_ignore_on_load_unexpected
-    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["missing_keys"]
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     from safetensors.numpy import load_file
@@ -245,11 +245,9 @@ def test_qwen3_next_names_and_shapes_as_transformers_sees_them(tmp_path):
     out = fam.prefill(mine, jnp.asarray(toks), jnp.asarray([6]), fam.init_cache(mine, 1, 8))
     np.testing.assert_allclose(np.asarray(out.logits), hf, atol=1e-4)
 
-    d = load_drafter("mtp", mine, target_path=path)
+    d = load_drafter("mtp", mine, target_path=path)  # drafts as the module written (the drafting is tested above)
     for a, b in zip(jax.tree.leaves(nnx.state(d.head, nnx.Param)), jax.tree.leaves(nnx.state(head, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    got = specjax.generate(mine, [[3, 9, 4, 1]], max_new_tokens=8, drafters=[d], tree="chain=2")
-    assert got.sequences() == specjax.generate(mine, [[3, 9, 4, 1]], max_new_tokens=8).sequences()
 
 
 def test_own_directory_round_trip_and_refusals(tmp_path):
