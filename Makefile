@@ -38,7 +38,9 @@ models: install
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-dflash.json --run-dir runs/code-target-hybrid-dflash --export models/code-target-hybrid-dflash
 	$(BIN)/python -m train.block --config configs/code-target-hybrid-ready.json --run-dir runs/code-target-hybrid-ready --export models/code-target-hybrid-ready
 	$(BIN)/python -m train.block --config configs/code-target-dpara-ar.json --run-dir runs/code-target-dpara-ar --export models/code-target-dpara
-	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature code-target-dspark code-target-hybrid-dspark code-target-dflash code-target-hybrid-dflash code-target-hybrid-ready code-target-treeflash code-target-dpara; do \
+	$(BIN)/python -m train.mtp --config configs/code-target-mtp.json --run-dir runs/code-target-mtp --export models/code-target-mtp
+	$(BIN)/python -m train.mtp --config configs/code-target-hybrid-mtp.json --run-dir runs/code-target-hybrid-mtp --export models/code-target-hybrid-mtp
+	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature code-target-dspark code-target-hybrid-dspark code-target-dflash code-target-hybrid-dflash code-target-hybrid-ready code-target-treeflash code-target-dpara code-target-mtp code-target-hybrid-mtp; do \
 		$(BIN)/python -m train.model_card --model models/$$m || exit 1; done
 	$(BIN)/python -m train.zoo --write
 

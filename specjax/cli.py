@@ -100,6 +100,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "verifies the whole chain or tree; a threshold in (0, 1) stops each row's draft before its first "
                         "position of lower confidence; 'schedule' picks the draft lengths that maximise expected "
                         "tokens per second from a measured cost per verify width (--verify-profile)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="an MTP drafter scores only the N most frequent tokens of its training data (the LM head's "
+                        "N rows; lossless: q is zero elsewhere); default: the full vocabulary")
     p.add_argument("--boundaries", type=int, default=None, metavar="B",
                    help="a DPara drafter's chain precomputes only its first B acceptance boundaries beside the "
                         "verification (the rest after it, in the rounds that reach them); default: every one")
@@ -249,7 +252,8 @@ def run_generate(args: argparse.Namespace) -> int:
         from specjax.drafters import load_drafter
         # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
         drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
-                                target_path=args.model, confidence=confidence, costs=costs)
+                                target_path=args.model, confidence=confidence, costs=costs,
+                                draft_vocab=None if d.startswith("ngram") else args.draft_vocab)
                     for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None

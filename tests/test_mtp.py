@@ -115,6 +115,16 @@ def test_greedy_equals_autoregressive_dense(dense_trained, batch):
         got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[M.MTPDrafter(head, target)], tree=tree)
         assert got.sequences() == ref, tree
         assert got.stats["tau"].max() > 1.2, (tree, got.stats["tau"])
+    if batch == 4:  # a reduced draft vocabulary: the 24 most frequent tokens of the data
+        from specjax.drafters import vocab
+        ids = vocab.token_ranking(data, VOCAB)[:24]
+        sub = vocab.logits(jnp.ones((1, 1, target.config.hidden_size)), ids, vocab.head_rows(target, ids), VOCAB)
+        full = M.transformer.lm_head(target, jnp.ones((1, 1, target.config.hidden_size)))
+        np.testing.assert_allclose(np.asarray(sub[0, 0, ids]), np.asarray(full[0, 0, ids]), rtol=1e-6)
+        assert int(jnp.isfinite(sub).sum()) == 24
+        got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[M.MTPDrafter(head, target, ids)],
+                               tree="chain=3")
+        assert got.sequences() == ref and got.stats["tau"].max() > 1.2, got.stats["tau"]
     n0 = engine.trace_count()  # a new drafter object, other prompts of the same bucket: no retrace
     specjax.generate(target, [p[::-1] for p in prompts], max_new_tokens=24, drafters=[M.MTPDrafter(head, target)],
                      tree=tree)
@@ -167,18 +177,17 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_hidden_state_is_caught():
     roots = jnp.full((ROWS,), root, jnp.int32)
     propose = jax.jit(lambda s, r, k: d.propose(s, r, DraftContext(spec, "sample", params, k)))
     prop = propose(rows(state1), roots, jax.random.key(1))
-    toks = np.asarray(prop.tree.tokens)
     seqs = jnp.asarray([prompt + [root, x] for x in range(SV)])
     tl = np.asarray(fam.prefill(target, seqs, jnp.full((SV,), 7), fam.init_cache(target, SV, 8)).logits, np.float64)
     p0, p1 = tl[0, 5], tl[:, 6]
-    logits = np.zeros((ROWS, 3, SV), np.float32)
-    logits[:, 0], logits[:, 1] = p0, p1[toks[:, 1]]
     soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)  # noqa: E731
-    verify = jax.jit(lambda q, k: V.verify(prop.tree, jnp.asarray(logits), k, rule="sampled", max_depth=2,
-                                           params=params, draft_probs_BxNxV=q))
+    verify = jax.jit(lambda tree, logits, q, k: V.verify(tree, logits, k, rule="sampled", max_depth=2, params=params,
+                                                         draft_probs_BxNxV=q))
 
-    def stats(q):
-        vd = verify(q, jax.random.key(9))
+    def stats(q, tree=prop.tree):
+        logits = np.zeros((ROWS, 3, SV), np.float32)
+        logits[:, 0], logits[:, 1] = p0, p1[np.asarray(tree.tokens)[:, 1]]
+        vd = verify(tree, jnp.asarray(logits), q, jax.random.key(9))
         n, t, b = (np.asarray(x) for x in (vd.num_accepted, vd.tokens, vd.bonus))
         first, second = np.where(n >= 1, t[:, 0], b), np.where(n >= 2, t[:, 1], b)
         out = [chi_square(np.bincount(first, minlength=SV), soft(p0))]
@@ -195,6 +204,16 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_hidden_state_is_caught():
     assert float(jnp.abs(wrong - prop.probs).max()) > 0.05
     bad, _ = stats(wrong)
     assert any(s > 10 * c for s, _, c in bad), "the q without the hidden state was not caught"
+    # a reduced draft vocabulary (half the tokens): q is zero elsewhere, the output still the target's
+    ids = np.arange(0, SV, 2)
+    small = M.MTPDrafter(head, target, draft_vocab=ids)
+    prop = jax.jit(lambda s, r, k: small.propose(s, r, DraftContext(spec, "sample", params, k)))(
+        rows(state1), roots, jax.random.key(1))
+    assert float(jnp.abs(prop.probs[..., 1::2]).max()) == 0 and set(np.unique(prop.tree.tokens[:, 1:])) <= set(ids)
+    good, n = stats(prop.probs, prop.tree)
+    for stat, df, crit in good:
+        assert stat <= crit, f"reduced vocabulary: chi2 {stat:.1f} > {crit:.1f} (df {df})"
+    assert len(good) >= 3 and (n >= 1).mean() > 0.05
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -289,6 +308,23 @@ def test_own_directory_round_trip_and_refusals(tmp_path):
         write_mtp_tensors(str(bare), {"model.norm.weight": np.zeros(3)})
     with pytest.raises(ValueError, match="at least one layer"):
         M.MTPConfig.for_target(target.config, 0)
+    # a reduced draft vocabulary: the ranking shipped beside the weights, N checked
+    from specjax.drafters import vocab
+    with pytest.raises(FileNotFoundError, match="token ranking"):
+        load_drafter(str(own), target, draft_vocab=8)
+    vocab.save_ranking(str(own), np.arange(VOCAB)[::-1])
+    d = load_drafter(str(own), target, draft_vocab=8)
+    np.testing.assert_array_equal(np.asarray(d.vocab_ids[...]), np.arange(VOCAB - 1, VOCAB - 9, -1))
+    for n in (0, VOCAB + 1):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            load_drafter(str(own), target, draft_vocab=n)
+    with pytest.raises(ValueError, match="built for the MTP drafter"):
+        load_drafter("ngram", target, draft_vocab=8)
+    vocab.save_ranking(str(own), np.zeros(VOCAB))
+    with pytest.raises(ValueError, match="not a ranking"):
+        load_drafter(str(own), target, draft_vocab=8)
+    with pytest.raises(ValueError, match="distinct token ids"):
+        M.MTPDrafter(head, target, draft_vocab=[1, 1])
 
 
 def test_one_mtp_layer_merged_into_a_sharded_checkpoint(tmp_path):

@@ -313,8 +313,8 @@ def test_mtp_module_trains_resumes_exports_and_drafts_losslessly(zoo, full_run):
                           progress=False)
     assert np.isfinite(float(jax.tree.leaves(tokens_ce["params"])[0].sum()))
     target = load_model(str(full_run["export"]))
-    drafter = load_drafter(str(zoo["base"] / "mtp-export"), target, target_path=str(full_run["export"]))
-    assert isinstance(drafter, MTPDrafter)
+    drafter = load_drafter(str(zoo["base"] / "mtp-export"), target, target_path=str(full_run["export"]), draft_vocab=64)
+    assert isinstance(drafter, MTPDrafter) and drafter.vocab_ids[...].shape == (64,)  # the export's token ranking
     card, _ = model_card.mtp_card(zoo["base"] / "mtp-export")
     assert "configs/tiny-mtp.json" in card and "mtp.fc" in card
     prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]

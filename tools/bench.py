@@ -147,9 +147,10 @@ def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict
         if isinstance(drafter, BlockDrafter):
             out += block_methods(name, drafter, threshold, (schedule_costs or {}).get(name))
             continue
-        for t in trees.get(name, ("chain=4",)):
+        shapes = trees.get(name.partition("@")[0], ("chain=4",))  # mtp@N: the MTP module with N draft tokens
+        for t in shapes:
             out.append(Method(f"{name} {t}", name, t))
-        chain = trees.get(name, ("chain=4",))[0]  # the temperature-1 rows draft the first
+        chain = shapes[0]  # the temperature-1 rows draft the first
         out.append(Method(f"{name} {chain} T=1", name, chain, 1.0))
         if name != "ngram":  # a drafter with a distribution q: also the sampled-candidates rule
             out.append(Method(f"{name} {chain} T=1 sampled", name, chain, 1.0, verify="sampled"))
@@ -380,6 +381,10 @@ def zoo_setup(args):
         drafters["mtp"] = load_drafter(args.mtp, target, target_path=args.target)
     elif args.mtp == "target":
         drafters["mtp"] = load_drafter("mtp", target, target_path=args.target)
+    if "mtp" in drafters:
+        for n in args.draft_vocab or ():
+            drafters[f"mtp@{n}"] = load_drafter(args.mtp if args.mtp != "target" else "mtp", target,
+                                                target_path=args.target, draft_vocab=n)
     drafters["ngram"] = NgramDrafter()
     prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
@@ -490,6 +495,9 @@ def main(argv=None):
     ap.add_argument("--mtp", default=None,
                     help="MTP module (default: TARGET-mtp where it exists; 'target' for the mtp.* tensors in the target's "
                          "own checkpoint; '' for none)")
+    ap.add_argument("--draft-vocab", default=None, metavar="N,N,...",
+                    help="also the MTP module with reduced draft vocabularies of these sizes (methods 'mtp@N ...': "
+                         "the N most frequent training tokens' LM-head rows only)")
     ap.add_argument("--block", action="append", default=[], metavar="NAME=DIR",
                     help="another block drafter under a method name of its own (repeatable), e.g. an ablation: "
                          "--block ready-l6=runs/ready-l6-export")
@@ -536,6 +544,11 @@ def main(argv=None):
             ap.error(f"--block {x!r}: {name!r} names a built-in drafter; pick another name")
         if not os.path.isdir(d):
             ap.error(f"--block {x!r}: no such directory")
+    if args.draft_vocab:
+        try:
+            args.draft_vocab = [int(x) for x in args.draft_vocab.split(",")]
+        except ValueError:
+            ap.error(f"--draft-vocab {args.draft_vocab}: expected comma-separated token counts")
     if not 0 < args.dspark_threshold < 1:
         ap.error(f"--dspark-threshold must be in (0, 1), got {args.dspark_threshold}")
 

@@ -10,7 +10,8 @@ per step weighted by `depth_decay ** (step - 1)` (`ttt_steps: 1` is the plain t_
 Same machinery as `train.feature` (`drafter_run.run_unrolled`): AdamW with warm-up + cosine, orbax
 checkpoints (resumable, same data order), validation to metrics.jsonl, and the export: the `mtp.*`
 tensors in Qwen3-Next's names, bf16, in a directory of their own (`drafter_config.json` +
-`model.safetensors`); `specjax.drafters.mtp.merge_into_target` copies them into the target's own
+`model.safetensors`, and `token_ranking.safetensors`: the target's tokens by their count in the training
+split, for a reduced draft vocabulary); `specjax.drafters.mtp.merge_into_target` copies them into the target's own
 safetensors, where `--drafter mtp` finds them (its weight digest, which excludes `mtp.*`, is unchanged).
 
     python -m train.mtp --config configs/code-target-mtp.json --run-dir runs/code-target-mtp \\
@@ -26,14 +27,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import sharding
-from specjax.checkpoint import load_model
-from specjax.drafters import mtp as M
+from specjax.checkpoint import load_model, load_tokenizer
+from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
 from train import drafter_run
-from train.lm import REPO, RunRefused, _resolve
+from train.lm import REPO, RunRefused, _resolve, load_streams_for
 
 LOSSES = ("distill", "tokens")
 
@@ -102,6 +104,15 @@ def _fns(cfg: MTPTrainConfig, target_dir: str):
     return target, head_def, *drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
 
 
+def training_ranking(cfg: MTPTrainConfig, run_dir) -> np.ndarray:
+    """The target's tokens by their count in the training split (the reduced draft vocabulary's
+    ranking, `specjax.drafters.vocab`): int32 [V]."""
+    target_dir = _resolve(cfg.target)
+    streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
+                               Path(run_dir) / "token-cache")
+    return vocab.token_ranking(streams.train, _fns(cfg, str(target_dir))[0].config.vocab_size)
+
+
 RULES = M.MTPDrafter.partition_rules  # the module's layout on a mesh: its layer has the dense names
 
 
@@ -112,6 +123,7 @@ def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, over
 
     def save(params, d):
         M.save_mtp_head(nnx.merge(head_def, params), str(d))
+        vocab.save_ranking(str(d), training_ranking(cfg, run_dir))
 
     return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
                                     max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)

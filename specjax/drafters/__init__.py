@@ -9,7 +9,8 @@ from specjax.drafters.ngram import NgramDrafter
 __all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
-def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None):
+def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None,
+                 draft_vocab: int | None = None):
     """A drafter from a command-line spec: `ngram` (or `ngram:N` for the longest n-gram), `mtp` (the
     MTP layers shipped in the target's own checkpoint, `target_path`), a feature-, block- or
     MTP-drafter directory (`drafter_config.json`, its "drafter" key says which), or a Hugging Face
@@ -17,6 +18,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     `confidence` / `costs`: a block drafter's confidence cut ("off", a threshold, or "schedule" with
     round seconds per verify width; see `specjax.drafters.block.BlockDrafter`).
     `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters).
+    `draft_vocab`: an MTP drafter's reduced draft vocabulary, the N most frequent tokens of the
+    ranking shipped beside its weights (`specjax.drafters.vocab`); None: the full vocabulary.
     `target_path`: the target's directory; a feature or block drafter reads that target's hidden states, so
     one trained on other weights (its `train_info.json` records the digest) is refused: shapes
     alone do not tell two targets of the same size apart, and a foreign head silently drafts badly."""
@@ -35,7 +38,10 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
                              "give the target's directory")
         if fold is not None or confidence not in (None, "off") or costs is not None:
             raise ValueError("the MTP drafter takes neither FOLD nor a confidence cut")
-        return MTPDrafter(load_mtp_head(target_path, target.config, dtype=target.config.dtype), target)
+        return MTPDrafter(load_mtp_head(target_path, target.config, dtype=target.config.dtype), target,
+                          _draft_vocab(target_path, target, draft_vocab))
+    if draft_vocab is not None and not (os.path.isdir(spec) and _kind(spec) == "mtp"):
+        raise ValueError("a reduced draft vocabulary is built for the MTP drafter; this one is not")
     if spec == "ngram" or spec.startswith("ngram:"):
         if confidence not in (None, "off") or costs is not None:
             raise ValueError("a confidence cut needs a block drafter (DSpark); the n-gram drafter is not")
@@ -71,10 +77,26 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     if kind == "mtp":
         if fold is not None:
             raise ValueError("FOLD is not built for the MTP drafter (use it with an lm or feature drafter)")
-        return MTPDrafter(load_mtp_head(spec, target.config, dtype=target.config.dtype), target)
+        return MTPDrafter(load_mtp_head(spec, target.config, dtype=target.config.dtype), target,
+                          _draft_vocab(spec, target, draft_vocab))
     if kind == "feature":
         return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)
+
+
+def _kind(path: str):
+    import json
+    import os
+    try:
+        with open(os.path.join(path, "drafter_config.json")) as f:
+            return json.load(f).get("drafter")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _draft_vocab(path: str, target, n: int | None):
+    from specjax.drafters.vocab import draft_ids
+    return None if n is None else draft_ids(path, target.config.vocab_size, n)
 
 
 def check_feature_target(head_dir: str, target_path: str) -> None:

@@ -26,6 +26,7 @@ nodes of its path that ran the same layer. `train.mtp` trains exactly this (`ttt
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
-from specjax.drafters import heads
+from specjax.drafters import heads, vocab as vocab_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import family, transformer
@@ -90,9 +91,10 @@ def target_hidden(target, features_BxTxE):
 
 
 def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, cache: KVCache, block_mask_BxTxS,
-         offset_B=None):
+         offset_B=None, vocab=None):
     """One MTP pass of layer `layer` (static) over T entries (token, h): (h' [B,T,E], logits [B,T,V],
-    cache with the entries' K/V in layer `layer` at slots length + offset ..)."""
+    cache with the entries' K/V in layer `layer` at slots length + offset ..). `vocab`: (ids [N],
+    LM-head rows [N, E]) of a reduced draft vocabulary (`specjax.drafters.vocab`); None: the full head."""
     fam = family_of(head.target_config)
     e = fam.apply_norm(head.pre_fc_norm_embedding, transformer.embed(target, tokens_BxT))
     x = linear(head.fc, jnp.concatenate([e, fam.apply_norm(head.pre_fc_norm_hidden, h_BxTxE)], axis=-1))
@@ -100,6 +102,8 @@ def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, 
     x, cache = fam.attention_decoder_layer(head.layers[layer], head.target_config, layer, x, positions_BxT, cache,
                                            bound, offset_B)
     h = fam.apply_norm(head.norm, x)
+    if vocab is not None:
+        return h, vocab_lib.logits(h, *vocab, head.config.vocab_size), cache
     return h, transformer.lm_head(target, h), cache
 
 
@@ -111,12 +115,14 @@ def step_any(head: MTPHead, target, layer, *args, **kw):
     return jax.lax.switch(layer % n, [lambda *a, j=j: step(head, target, j, *a, **kw) for j in range(n)], *args)
 
 
-def step_all(head: MTPHead, target, tokens_BxT, h_BxTxE, positions_BxT, cache, block_mask_BxTxS, offset_B=None):
+def step_all(head: MTPHead, target, tokens_BxT, h_BxTxE, positions_BxT, cache, block_mask_BxTxS, offset_B=None,
+             vocab=None):
     """Every layer over the same entries (committed entries and a round's root): layer 0's output
     and logits, the cache with every layer's K/V."""
     out = None
     for j in range(head.config.num_layers):
-        h, logits, cache = step(head, target, j, tokens_BxT, h_BxTxE, positions_BxT, cache, block_mask_BxTxS, offset_B)
+        h, logits, cache = step(head, target, j, tokens_BxT, h_BxTxE, positions_BxT, cache, block_mask_BxTxS, offset_B,
+                                vocab)
         out = out or (h, logits)
     return out[0], out[1], cache
 
@@ -178,12 +184,27 @@ class MTPDrafter(heads.HeadDrafter):
     gives_q = True
     stops_early = True
 
-    def __init__(self, head: MTPHead, target):
+    def __init__(self, head: MTPHead, target, draft_vocab=None):
+        """`draft_vocab`: token ids [N] of a reduced draft vocabulary (`specjax.drafters.vocab`:
+        the LM head's N rows only; q is zero elsewhere); None: the full vocabulary."""
         self.check_target(head.config, target, KIND)
         if family_of(head.target_config) is not family(target):
             raise ValueError("the MTP module was built for another model family than the target's")
         self.head = head
         self.target = target  # shared: embedding, LM head, final norm
+        if draft_vocab is None:
+            self.vocab_ids = self.vocab_rows = None
+        else:
+            ids = np.asarray(draft_vocab)
+            V = head.config.vocab_size
+            if ids.ndim != 1 or not 1 <= ids.size <= V or ids.min() < 0 or ids.max() >= V or np.unique(ids).size != ids.size:
+                raise ValueError(f"draft vocabulary: expected distinct token ids in 0..{V - 1}, got shape {ids.shape}")
+            self.vocab_ids = vocab_lib.DraftVocab(jnp.asarray(ids, jnp.int32))
+            self.vocab_rows = vocab_lib.DraftVocab(vocab_lib.head_rows(target, ids))
+
+    @property
+    def _vocab(self):
+        return None if self.vocab_ids is None else (self.vocab_ids[...], self.vocab_rows[...])
 
     def with_fold(self, cfg):
         if cfg is None:
@@ -221,7 +242,7 @@ class MTPDrafter(heads.HeadDrafter):
             off = jnp.full((B,), offset, jnp.int32)
             if isinstance(depth, int) and depth == 0:  # the root: every layer (a traced depth is >= 1)
                 h_out, logits, cache = step_all(self.head, self.target, tokens_BxF, state.last_hidden[:, None], pos,
-                                                cache, mask_BxFxS, off)
+                                                cache, mask_BxFxS, off, self._vocab)
             else:
                 h_in = jnp.take_along_axis(scratch, jnp.maximum(parent_slot_BxF, 0)[..., None], axis=1)
                 if n > 1:  # a node sees the committed entries, the root and its path's nodes of the same layer
@@ -230,7 +251,7 @@ class MTPDrafter(heads.HeadDrafter):
                     d = slot_depth[:S]
                     mask_BxFxS = mask_BxFxS & ((d == 0) | ((d >= 0) & (d % n == depth % n)))[None, None]
                 h_out, logits, cache = step_any(self.head, self.target, depth, tokens_BxF, h_in, pos, cache,
-                                                mask_BxFxS, off)
+                                                mask_BxFxS, off, vocab=self._vocab)
             scratch = jax.lax.dynamic_update_slice_in_dim(scratch, h_out, offset, axis=1)
             logq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             return logq, (cache, scratch, slot_depth)
@@ -332,9 +353,15 @@ def load_mtp_head(path: str, target_cfg, dtype=None) -> MTPHead:
 
 def merge_into_target(mtp_dir: str, target_dir: str) -> None:
     """Copies a trained module's `mtp.*` tensors (a directory of its own) into the target's own
-    safetensors, as a Qwen3-Next checkpoint ships them; the target's weight digest is unchanged."""
+    safetensors, as a Qwen3-Next checkpoint ships them; the target's weight digest is unchanged.
+    The token ranking (a reduced draft vocabulary's) goes beside them, where there is one."""
+    import shutil
+
     from specjax.checkpoint import read_mtp_tensors, write_mtp_tensors
     tensors = read_mtp_tensors(mtp_dir)
     if not tensors:
         raise ValueError(f"{mtp_dir}: no mtp.* tensors")
     write_mtp_tensors(target_dir, tensors)
+    ranking = os.path.join(mtp_dir, vocab_lib.RANKING_FILE)
+    if os.path.exists(ranking):
+        shutil.copyfile(ranking, os.path.join(target_dir, vocab_lib.RANKING_FILE))

@@ -1,0 +1,72 @@
+"""A reduced draft vocabulary (EAGLE-3's d2t): a drafter that borrows the target's LM head scores
+only the N target tokens most frequent in its training data.
+
+The LM head is most of a cheap drafter's step (code-target's MTP step: 4.2M of 7.7M multiply-adds
+are the 8192-row head), and a few thousand tokens carry nearly all of a code corpus. The drafter's
+logits over those N rows are exactly the full head's logits there; the other tokens get -inf, so
+q is zero outside the draft vocabulary: the verification rules stay lossless (a token q never
+proposes is never accepted by q's test; the residual max(p - q, 0) gives it its full p).
+
+A drafter directory ships the ranking of all V tokens (`token_ranking.safetensors`, int32 [V], most
+frequent first, ties by id) and N is chosen at load time (`load_drafter(..., draft_vocab=N)`).
+"""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+RANKING_FILE = "token_ranking.safetensors"
+
+
+class DraftVocab(nnx.Variable):
+    """The draft vocabulary's token ids and LM-head rows: constants of the drafter, not trained."""
+
+
+def token_ranking(token_ids, vocab_size: int) -> np.ndarray:
+    """All `vocab_size` ids by descending count in `token_ids` (any int array), ties by id: int32 [V]."""
+    counts = np.bincount(np.asarray(token_ids, np.int64).ravel(), minlength=vocab_size)[:vocab_size]
+    return np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32)
+
+
+def save_ranking(path: str, ranking: np.ndarray) -> None:
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({"token_ids": np.asarray(ranking, np.int32)}, os.path.join(path, RANKING_FILE))
+
+
+def read_ranking(path: str, vocab_size: int) -> np.ndarray:
+    """The stored ranking, checked to be a permutation of the target's vocabulary."""
+    from safetensors.numpy import load_file
+    file = os.path.join(path, RANKING_FILE)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file}: no token ranking, so no reduced draft vocabulary "
+                                "(train.mtp writes one with its export)")
+    ids = load_file(file)["token_ids"]
+    if ids.shape != (vocab_size,) or not np.array_equal(np.sort(ids), np.arange(vocab_size)):
+        raise ValueError(f"{file}: not a ranking of the target's {vocab_size} tokens")
+    return ids.astype(np.int32)
+
+
+def draft_ids(path: str, vocab_size: int, n: int) -> np.ndarray:
+    """The `n` most frequent tokens of the ranking in `path` (a clear error for a bad `n`)."""
+    if not isinstance(n, (int, np.integer)) or not 1 <= n <= vocab_size:
+        raise ValueError(f"draft vocabulary {n!r}: expected a token count in 1..{vocab_size}")
+    return read_ranking(path, vocab_size)[:n]
+
+
+def head_rows(target, ids) -> jnp.ndarray:
+    """The target LM head's rows for `ids`: [N, E] (the head is h @ rows.T on them)."""
+    ids = jnp.asarray(ids)
+    if target.lm_head is None:  # tied: the embedding
+        return jnp.take(target.embed_tokens[...], ids, axis=0)
+    return jnp.take(target.lm_head.weight[...], ids, axis=1).T
+
+
+def logits(h_BxTxE, ids_N, rows_NxE, vocab_size: int):
+    """Logits [B, T, V] (f32): the head's over the draft vocabulary, -inf elsewhere."""
+    sub = (h_BxTxE @ rows_NxE.T).astype(jnp.float32)  # [B, T, N]
+    full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids_N].set(sub)
