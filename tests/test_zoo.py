@@ -13,7 +13,7 @@ from train import lm, zoo
 REPO = Path(__file__).resolve().parents[1]
 ZOO = json.loads(zoo.ZOO_JSON.read_text()) if zoo.ZOO_JSON.exists() else {"models": {}}
 LMS = [n for n, r in ZOO["models"].items() if r["kind"] == "lm"]
-FEATURES = [n for n, r in ZOO["models"].items() if r["kind"] in ("feature", "block")]  # drafters on a target
+FEATURES = [n for n, r in ZOO["models"].items() if r["kind"] in ("feature", "block", "mtp")]  # drafters on a target
 
 
 def test_tokenizer_is_shipped_and_round_trips():
@@ -73,8 +73,8 @@ def _check_feature(name):
     if "draft_tree" in want:  # a TreeFlash head: the tree its rows give (its chain is the backbone's)
         assert zoo.draft_chain(d, target, ids, zoo.DRAFT_TREE) == want["draft_tree"]
     card = (d / "README.md").read_text()
-    assert ("top-1 agreement" if want["kind"] == "feature" else "acceptance by position") in card
-    if want["kind"] == "block":  # the zoo stays lean: own parameters only, bf16, well under 20 MB
+    assert ("acceptance by position" if want["kind"] == "block" else "top-1 agreement") in card
+    if want["kind"] in ("block", "mtp"):  # the zoo stays lean: own parameters only, bf16, well under 20 MB
         assert want["bytes"] < 18e6  # DPara 17.2 MB (its stand-in projection and autoregressive head); DSpark 14.7
 
 

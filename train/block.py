@@ -33,12 +33,10 @@ own parameters (`drafter_config.json` + `model.safetensors` + `train_info.json`)
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -55,7 +53,7 @@ from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk
 from specjax.models import family, hybrid, transformer
 from train import data, drafter_run
-from train.lm import REPO, RunRefused, _resolve, load_streams_for
+from train.lm import REPO, _resolve, load_streams_for
 
 @dataclasses.dataclass(frozen=True)
 class BlockTrainConfig:
@@ -476,20 +474,7 @@ def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, ru
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, type=Path)
-    ap.add_argument("--run-dir", required=True, type=Path)
-    ap.add_argument("--export", type=Path)
-    ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--mesh", help=sharding.MESH_HELP)
-    args = ap.parse_args(argv)
-    mesh = drafter_run.mesh_from_args(ap, args.mesh)
-    try:
-        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
-              mesh=mesh)
-    except (RunRefused, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    drafter_run.main(__doc__, load_config, train, argv)
 
 
 if __name__ == "__main__":

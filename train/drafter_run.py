@@ -5,11 +5,13 @@ loss over unrolled steps and the whole training loop (`run_unrolled`). Each trai
 model, loss and export."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -254,3 +256,22 @@ def evaluate(eval_step, params, windows, batch_size) -> dict:
         agree.append(np.asarray(a))
     return {"val_loss": float(np.mean(losses)), "val_step_loss": np.mean(per, 0).round(4).tolist(),
             "val_agree": np.mean(agree, 0).round(4).tolist()}
+
+
+def main(doc: str, load_config, train, argv=None) -> None:
+    """The command line of a drafter trainer (feature, block, MTP): --config, --run-dir, --export,
+    --max-steps, --overwrite, --mesh; a refused run or a bad config is a one-line error."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--export", type=Path)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--mesh", help=sharding.MESH_HELP)
+    args = ap.parse_args(argv)
+    mesh = mesh_from_args(ap, args.mesh)
+    try:
+        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
+              mesh=mesh)
+    except (RunRefused, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")

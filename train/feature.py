@@ -14,22 +14,18 @@ metrics (loss and top-1 agreement with the target per step) to metrics.jsonl, an
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import sharding
 from specjax.checkpoint import load_model
 from specjax.drafters import feature as F
 from specjax.models import family, transformer
 from train import drafter_run
-from train.lm import REPO, RunRefused, _resolve
+from train.lm import REPO, _resolve
 
 @dataclasses.dataclass(frozen=True)
 class FeatureTrainConfig:
@@ -106,20 +102,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, type=Path)
-    ap.add_argument("--run-dir", required=True, type=Path)
-    ap.add_argument("--export", type=Path)
-    ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--mesh", help=sharding.MESH_HELP)
-    args = ap.parse_args(argv)
-    mesh = drafter_run.mesh_from_args(ap, args.mesh)
-    try:
-        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
-              mesh=mesh)
-    except (RunRefused, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    drafter_run.main(__doc__, load_config, train, argv)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,8 @@ safetensors, where `--drafter mtp` finds them (its weight digest, which excludes
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 
 import jax
@@ -30,12 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
 from train import drafter_run
-from train.lm import REPO, RunRefused, _resolve, load_streams_for
+from train.lm import REPO, _resolve, load_streams_for
 
 LOSSES = ("distill", "tokens")
 
@@ -130,20 +127,7 @@ def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, over
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, type=Path)
-    ap.add_argument("--run-dir", required=True, type=Path)
-    ap.add_argument("--export", type=Path)
-    ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--mesh", help=sharding.MESH_HELP)
-    args = ap.parse_args(argv)
-    mesh = drafter_run.mesh_from_args(ap, args.mesh)
-    try:
-        train(load_config(args.config), args.run_dir, args.export, max_steps=args.max_steps, overwrite=args.overwrite,
-              mesh=mesh)
-    except (RunRefused, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    drafter_run.main(__doc__, load_config, train, argv)
 
 
 if __name__ == "__main__":
