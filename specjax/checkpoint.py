@@ -185,14 +185,30 @@ def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
 
 def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
     """Loads a Llama / Qwen2 / Qwen3 (`Model`) or a dense-MLP Qwen3-Next (`HybridModel`)
-    checkpoint in Hugging Face format (no torch needed).
+    checkpoint in Hugging Face format (no torch needed), or a Llama / Qwen2 / Qwen3 GGUF file
+    (`path` ending in .gguf: dequantized to `dtype`, see `specjax.checkpoint_gguf`).
 
     Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
     """
+    if str(path).endswith(".gguf"):
+        from specjax.checkpoint_gguf import read_gguf
+        ckpt = read_gguf(str(path))
+        cfg = ModelConfig.from_hf(ckpt.config, source=str(path), dtype=dtype)
+        return _model_from_tensors(cfg, ckpt.tensors, str(path), dtype)
     cfg = read_config(path, dtype=dtype)
-    tensors = _read_tensors(path)
-    where = os.path.join(path, "model.safetensors")
+    model = _model_from_tensors(cfg, _read_tensors(path), os.path.join(path, "model.safetensors"), dtype)
+    tok_file = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tok_file):
+        tok = load_tokenizer(path)
+        if tok.get_vocab_size() > cfg.vocab_size:
+            raise ValueError(f"{tok_file}: tokenizer has {tok.get_vocab_size()} tokens but the model's "
+                             f"vocabulary is {cfg.vocab_size}")
+    return model
+
+
+def _model_from_tensors(cfg, tensors: dict, where: str, dtype) -> Model | HybridModel:
+    """The model of `cfg` with its parameters set from HF-named `tensors` (names and shapes checked)."""
     model_cls = HybridModel if isinstance(cfg, HybridConfig) else Model
     model = nnx.eval_shape(lambda: model_cls(cfg, nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
@@ -218,16 +234,13 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
         arr = arr.T if transposed else arr.reshape(flat[param_path].get_value().shape)
         flat[param_path].set_value(jnp.asarray(arr, dtype=dtype))
     nnx.update(model, nnx.from_flat_state(flat))
-    tok_file = os.path.join(path, "tokenizer.json")
-    if os.path.exists(tok_file):
-        tok = load_tokenizer(path)
-        if tok.get_vocab_size() > cfg.vocab_size:
-            raise ValueError(f"{tok_file}: tokenizer has {tok.get_vocab_size()} tokens but the model's "
-                             f"vocabulary is {cfg.vocab_size}")
     return model
 
 
 def load_tokenizer(path: str) -> Tokenizer:
+    if str(path).endswith(".gguf"):
+        from specjax.checkpoint_gguf import build_tokenizer, read_metadata
+        return build_tokenizer(read_metadata(str(path)), source=str(path))
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file}: no tokenizer.json in the model directory")

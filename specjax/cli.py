@@ -50,6 +50,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="one prompt")
     src.add_argument("--prompt-file", metavar="FILE.jsonl",
                      help='one JSON object per line with a "prompt" string; all prompts run as one batch')
+    p.add_argument("--chat", action="store_true",
+                   help="treat each prompt as a user message and render it with the model's chat template "
+                        "(instruct models; --prompt-file rows with \"messages\" are always rendered)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
@@ -101,7 +104,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "position of lower confidence; 'schedule' picks the draft lengths that maximise expected "
                         "tokens per second from a measured cost per verify width (--verify-profile)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="an MTP drafter scores only the N most frequent tokens of its training data (the LM head's "
+                   help="an MTP or feature drafter scores only the N most frequent tokens of its training data (the LM head's "
                         "N rows; lossless: q is zero elsewhere); default: the full vocabulary")
     p.add_argument("--boundaries", type=int, default=None, metavar="B",
                    help="a DPara drafter's chain precomputes only its first B acceptance boundaries beside the "
@@ -132,13 +135,32 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate completions with specjax.generate (one compiled program per batch shape).")
     add_generate_args(gen)
     gen.set_defaults(run=run_generate, subparser=gen)
+    conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model directory",
+                          description="Dequantize a GGUF checkpoint (llama / qwen2 / qwen3) into config.json, "
+                                      "model.safetensors, tokenizer.json and tokenizer_config.json (specjax.checkpoint_gguf).")
+    conv.add_argument("gguf", metavar="FILE.gguf")
+    conv.add_argument("out_dir", metavar="OUT_DIR")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="stored dtype (default float32: the dequantized values exactly)")
+    conv.set_defaults(run=run_convert, subparser=conv)
     return parser
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from specjax.checkpoint_gguf import convert_gguf
+    try:
+        out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(str(e)) from None
+    print(f"[specjax] wrote {out}", file=sys.stderr)
+    return 0
 
 
 # ----------------------------------------------------------------------------- inputs
 
-def read_prompt_file(path: str) -> list[tuple[str, str]]:
-    """("FILE:LINE", prompt) for each prompt of a JSONL file; blank lines are skipped. Raises UsageError naming the line."""
+def read_prompt_file(path: str) -> list[tuple[str, str | list]]:
+    """("FILE:LINE", prompt) for each prompt of a JSONL file, the prompt a string ("prompt") or a chat
+    ("messages": [{"role", "content"}, ...]); blank lines are skipped. Raises UsageError naming the line."""
     if not os.path.isfile(path):
         raise UsageError(f"--prompt-file {path}: no such file")
     prompts = []
@@ -156,8 +178,17 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
                 raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
                 raise UsageError(f'{path}:{n}: expected a JSON object with a "prompt" key, got {type(obj).__name__}')
+            if "messages" in obj:  # a chat: rendered with the model's chat template later
+                if "prompt" in obj:
+                    raise UsageError(f'{path}:{n}: give "prompt" or "messages", not both')
+                try:
+                    from specjax.chat import check_messages
+                    prompts.append((f"{path}:{n}", check_messages(obj["messages"], f"{path}:{n}")))
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
+                continue
             if "prompt" not in obj:
-                raise UsageError(f'{path}:{n}: missing "prompt" key')
+                raise UsageError(f'{path}:{n}: missing "prompt" key (or "messages")')
             if not isinstance(obj["prompt"], str):
                 raise UsageError(f'{path}:{n}: "prompt" must be a string, got {type(obj["prompt"]).__name__}')
             if not obj["prompt"]:
@@ -284,7 +315,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.adaptive:
         drafters = [adaptive_drafter(args, drafters, len(sources))]
 
-    prompts = [s for _, s in sources]
+    prompts = chat_prompts(args, sources)
     ids = [tokenizer.encode(s).ids for s in prompts]
     limit = args.capacity if args.capacity is not None else cfg.max_position_embeddings
     limit_name = f"--capacity {limit}" if args.capacity is not None else f"the model's max_position_embeddings ({limit})"
@@ -357,6 +388,23 @@ def run_generate(args: argparse.Namespace) -> int:
               f"compilation cache), wall {wall:.2f} s",
               file=sys.stderr)
     return 0
+
+
+def chat_prompts(args: argparse.Namespace, sources) -> list[str]:
+    """The prompt texts: chats ("messages" rows, or every prompt under --chat) rendered with the model's
+    chat template (specjax.chat), plain prompts as given."""
+    from specjax.chat import render_chat
+    out = []
+    for where, src in sources:
+        if isinstance(src, str) and not args.chat:
+            out.append(src)
+            continue
+        messages = src if isinstance(src, list) else [{"role": "user", "content": src}]
+        try:
+            out.append(render_chat(args.model, messages))
+        except ValueError as e:
+            raise UsageError(f"{where}: {e}") from None
+    return out
 
 
 def compile_cache(args: argparse.Namespace):

@@ -128,6 +128,9 @@ BAD_LINES = {
     "not_string": (['{"prompt": 3}'], 'p.jsonl:1: "prompt" must be a string'),
     "empty_prompt": (['{"prompt": "ok"}', '{"prompt": ""}'], "p.jsonl:2: empty prompt"),
     "no_prompts": ([""], "no prompts in the file"),
+    "messages_not_list": (['{"messages": "hi"}'], 'p.jsonl:1: "messages" must be a non-empty list'),
+    "message_no_role": (['{"messages": [{"content": "hi"}]}'], 'p.jsonl:1: message 0 must be an object'),
+    "prompt_and_messages": (['{"prompt": "a", "messages": []}'], 'give "prompt" or "messages", not both'),
 }
 
 
@@ -138,6 +141,27 @@ def expect_usage_error(capsys, argv, message):
     err = capsys.readouterr().err
     assert "specjax generate: error:" in err and message in err, err
     assert "Traceback" not in err
+
+
+def test_chat_prompts(capsys, tmp_path, model_dir, loaded):
+    """--chat renders each prompt as a user message with the model's chat template; "messages" rows
+    are always rendered; a model without a template is a usage error."""
+    import shutil
+    chat_dir = tmp_path / "chat-model"
+    shutil.copytree(model_dir, chat_dir)
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": EOS}))
+    model, tok = loaded
+    [row] = run_json(capsys, "--model", str(chat_dir), "--prompt", "hello", "--chat", "--max-new-tokens", str(N))
+    assert row["prompt"] == "<user>hello\n<assistant>"
+    assert row["prompt_ids"] == tok.encode(row["prompt"]).ids
+    f = write_jsonl(tmp_path / "chat.jsonl", [json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                                                      {"role": "user", "content": "hi"}]}),
+                                              json.dumps({"prompt": "import numpy"})])
+    rows = run_json(capsys, "--model", str(chat_dir), "--prompt-file", f, "--max-new-tokens", str(N))
+    assert [r["prompt"] for r in rows] == ["<system>be brief\n<user>hi\n<assistant>", "import numpy"]
+    expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--chat"], "no chat template")
 
 
 def test_prompt_file_not_utf8(capsys, tmp_path, model_dir):

@@ -414,7 +414,7 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from specjax.models import hybrid
-    from train import feature
+    from train import drafter_run, feature, model_card
 
     d = lm.config_to_dict(zoo["cfg"])
     d["name"] = "tiny-hybrid"
@@ -442,21 +442,30 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
         ref = hf(torch.from_numpy(tokens).long()).logits.numpy()
     np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=1e-4)
 
+    # with a reduced draft vocabulary (EAGLE-3's d2t) and extra training data (train.continuations' stream)
+    extra = np.asarray([EOT_ID] + list(range(3, 60)) * 2, np.int32)
+    np.save(tmp_path / "extra.npy", extra)
     fcfg = feature.FeatureTrainConfig(name="tiny-hybrid-feature", target=str(tmp_path / "export"), ttt_steps=2,
                                       seq_len=16, batch_size=4, steps=4, warmup_steps=1, checkpoint_every=2,
                                       eval_every=4, eval_tokens=128, manifest=str(zoo["manifest"]),
-                                      corpus_root=str(zoo["root"]))
+                                      corpus_root=str(zoo["root"]), draft_vocab=96, extra_train=str(tmp_path / "extra.npy"))
+    assert len(drafter_run.train_stream(fcfg, tmp_path / "feat")) == len(extra) + len(
+        drafter_run.train_stream(dataclasses.replace(fcfg, extra_train=None), tmp_path / "feat"))
     feature.train(fcfg, tmp_path / "feat", tmp_path / "feat-export", progress=False)
+    assert (tmp_path / "feat-export" / "token_ranking.safetensors").exists()
     import specjax
     from specjax.drafters import load_drafter
-    drafter = load_drafter(str(tmp_path / "feat-export"), model)
+    drafter = load_drafter(str(tmp_path / "feat-export"), model, draft_vocab=48)
+    assert drafter.vocab_ids[...].shape == (48,)
     prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
     ref_seq = specjax.generate(model, prompts, max_new_tokens=10).sequences()
     assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[drafter], tree="chain=3").sequences() == ref_seq
+    card, _ = model_card.feature_card(tmp_path / "feat-export")
+    assert "Reduced draft vocabulary" in card and "own continuations" in card
 
     # ReaDy on the same hybrid: states at the anchors from the chunked pass, the zeroed-state
     # ablation in train_info.json, the card's reader section, lossless drafting
-    from train import block, model_card
+    from train import block
     rcfg = block.BlockTrainConfig(name="tiny-hybrid-ready", target=str(tmp_path / "export"), block_size=4, num_layers=1,
                                   markov_rank=8, state_layers="all", reader_out_rank=8, state_every=2, anchors=4,
                                   seq_len=16, batch_size=4, steps=4, warmup_steps=1, checkpoint_every=2, eval_every=4,

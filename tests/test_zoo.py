@@ -66,16 +66,20 @@ def _check_feature(name):
     want = ZOO["models"][name]
     for fname, sha in want["files"].items():
         assert zoo._sha256(d / fname) == sha, f"{name}/{fname} differs from models/zoo.json"
+    card = (d / "README.md").read_text()
+    assert ("acceptance by position" if want["kind"] == "block" else "top-1 agreement") in card
+    if want["kind"] in ("block", "mtp"):  # the zoo stays lean: own parameters only, bf16, well under 20 MB
+        assert want["bytes"] < 18e6  # DPara 17.2 MB (its stand-in projection and autoregressive head); DSpark 14.7
+    assert want["bytes"] < 20e6
+    if not zoo.target_available(want["target"]):
+        assert want["target"] in zoo.BUILT  # a converted real model (make smollm2): its chain is checked where built
+        return
     target_dir = REPO / "models" / want["target"]
     target = load_model(str(target_dir))
     ids = zoo.prompt_ids(load_tokenizer(str(target_dir)))
     assert zoo.draft_chain(d, target, ids) == want["draft_chain"]
     if "draft_tree" in want:  # a TreeFlash head: the tree its rows give (its chain is the backbone's)
         assert zoo.draft_chain(d, target, ids, zoo.DRAFT_TREE) == want["draft_tree"]
-    card = (d / "README.md").read_text()
-    assert ("acceptance by position" if want["kind"] == "block" else "top-1 agreement") in card
-    if want["kind"] in ("block", "mtp"):  # the zoo stays lean: own parameters only, bf16, well under 20 MB
-        assert want["bytes"] < 18e6  # DPara 17.2 MB (its stand-in projection and autoregressive head); DSpark 14.7
 
 
 @pytest.mark.parametrize("name", ["code-target", "code-target-hybrid"])

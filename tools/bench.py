@@ -266,24 +266,39 @@ def greedy_check(target, prompts, reference, candidate) -> dict:
     return {"exact": exact, "near_tie": near, "mismatch": mismatch}
 
 
-def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dict]:
+def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats, batch: int = 1, threads: int = 1) -> list[dict]:
+    """transformers on the same weights and prompts: greedy (`hf ar`), prompt lookup and, with a
+    same-vocabulary `draft_dir`, assisted generation; batch 1 (its speculative modes' only one), and
+    at `batch` > 1 the greedy loop on left-padded batches too (`hf ar batch B`)."""
     import torch
     from transformers import AutoModelForCausalLM
-    torch.set_num_threads(1)  # measured faster than 2 threads on this 2-core machine (bench_ar)
+    torch.set_num_threads(threads)  # 1: measured faster than 2 threads on this 2-core machine (bench_ar)
     tgt = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    pad = tgt.config.pad_token_id if tgt.config.pad_token_id is not None else 0
     rows = []
     variants = [("hf ar", {}), ("hf prompt-lookup", {"prompt_lookup_num_tokens": 6})]
     if draft_dir is not None:
         asst = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-        variants.append(("hf assisted (code-draft)", {"assistant_model": asst}))
+        if asst.config.vocab_size != tgt.config.vocab_size:
+            rows.append({"method": "hf assisted", "unsupported": f"{Path(draft_dir).name} has another vocabulary"})
+        else:
+            variants.append((f"hf assisted ({Path(draft_dir).name})", {"assistant_model": asst}))
+    if batch > 1:
+        variants.append((f"hf ar batch {batch}", {"batch": batch}))
     for name, extra in variants:
-        def run(prompts=prompts):
+        def run(prompts=prompts, extra=extra):
             n = 0
+            b = extra.get("batch", 1)
+            kw = {k: v for k, v in extra.items() if k != "batch"}
             with torch.inference_mode():
-                for p in prompts:
-                    out = tgt.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                       do_sample=False, pad_token_id=1, **extra)
-                    n += out.shape[1] - len(p)
+                for i in range(0, len(prompts), b):
+                    group = prompts[i:i + b]
+                    T = max(map(len, group))
+                    ids = torch.tensor([[pad] * (T - len(p)) + list(p) for p in group])
+                    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in group])
+                    out = tgt.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                       do_sample=False, pad_token_id=pad, **kw)
+                    n += (out.shape[1] - T) * len(group)
             return n
         try:
             run(prompts[:1])  # warm-up (eager torch: nothing to compile)
@@ -297,6 +312,43 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats) -> list[dic
             times.append(time.perf_counter() - t0)
         rows.append({"method": name, "tokens_per_s": n / statistics.median(times), "tokens": n,
                      "seconds": statistics.median(times)})
+    return rows
+
+
+def llama_cpp_peer(gguf_file, prompts, new_tokens, repeats, threads: int = 2) -> list[dict]:
+    """llama.cpp (llama-cpp-python, the `peers` extra) on the original GGUF: its greedy loop and its
+    prompt-lookup speculative decoding (`LlamaPromptLookupDecoding`), batch 1 (its Python API decodes
+    one sequence). It runs the file's quantized weights, so its tokens differ from ours: speed only."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        return [{"method": "llama.cpp", "unsupported": f"llama-cpp-python not installed ({e}); pip install -e '.[peers]'"}]
+    import llama_cpp
+    rows = []
+    ctx = max(map(len, prompts)) + new_tokens + 16
+    for name, draft in [("llama.cpp ar", None), ("llama.cpp prompt-lookup", "lookup")]:
+        llm = Llama(model_path=str(gguf_file), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=6) if draft else None)
+
+        def run(prompts=prompts, llm=llm):
+            n = 0
+            for p in prompts:
+                for i, _ in enumerate(llm.generate(list(p), top_k=1, top_p=1.0, temp=0.0, reset=True)):
+                    if i + 1 == new_tokens:  # EOS ignored, as in our rows: every prompt gets new_tokens
+                        break
+                n += new_tokens
+            return n
+        run(prompts[:1])  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            n = run()
+            times.append(time.perf_counter() - t0)
+        rows.append({"method": f"{name} ({Path(gguf_file).stem.rsplit('.', 1)[-1]} weights)",
+                     "tokens_per_s": n / statistics.median(times), "tokens": n, "seconds": statistics.median(times),
+                     "llama_cpp_version": llama_cpp.__version__})
+        del llm
     return rows
 
 
@@ -381,13 +433,26 @@ def zoo_setup(args):
         drafters["mtp"] = load_drafter(args.mtp, target, target_path=args.target)
     elif args.mtp == "target":
         drafters["mtp"] = load_drafter("mtp", target, target_path=args.target)
-    if "mtp" in drafters:
-        for n in args.draft_vocab or ():
+    for n in args.draft_vocab or ():  # reduced draft vocabularies: rows "mtp@N", "feature@N"
+        if "mtp" in drafters:
             drafters[f"mtp@{n}"] = load_drafter(args.mtp if args.mtp != "target" else "mtp", target,
                                                 target_path=args.target, draft_vocab=n)
+        if "feature" in drafters:
+            drafters[f"feature@{n}"] = load_drafter(args.feature, target, target_path=args.target, draft_vocab=n)
     drafters["ngram"] = NgramDrafter()
-    prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
+    if args.kind == "chat":
+        prompts = chat_prompts(args.target, tok, args.chat_prompts, args.prompts)
+    else:
+        prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
     return target, drafters, prompts
+
+
+def chat_prompts(target_dir, tok, path, n) -> list[list[int]]:
+    """The first `n` chats of a JSONL file of {"messages": [...]} rows, rendered with the target's chat
+    template (specjax.chat) and tokenized."""
+    from specjax.chat import render_chat
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:n]
+    return [tok.encode(render_chat(target_dir, r["messages"])).ids for r in rows]
 
 
 def write_outputs(rows, meta, out: Path):
@@ -478,7 +543,7 @@ def plot_budgets(rows, meta, out: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
-    ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
+    ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="lm drafter ('' for none)")
     ap.add_argument("--feature", default=None,
                     help="feature drafter (default: the target's own, TARGET-feature, where it exists; '' for none)")
     ap.add_argument("--dspark", default=None,
@@ -513,7 +578,14 @@ def main(argv=None):
                     help="a verify-width profile of a TAPS tree (tools/profile_widths.py --tree ...select=taps): "
                          "the TAPS rows choose their verify budget per round")
     ap.add_argument("--plot-budgets", action="store_true", help="also plot tau and tokens/s against the node budget")
-    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests"])
+    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "chat"],
+                    help="code prompts cut from the test split, or 'chat': --chat-prompts rendered with the target's "
+                         "chat template")
+    ap.add_argument("--chat-prompts", default=str(REPO / "bench/prompts/chat.jsonl"),
+                    help='with --kind chat: a JSONL file of {"messages": [...]} rows')
+    ap.add_argument("--llama-cpp", default=None, metavar="FILE.gguf",
+                    help="also llama.cpp (llama-cpp-python) on this GGUF: greedy and prompt lookup, batch 1, speed only")
+    ap.add_argument("--hf-threads", type=int, default=1, help="torch threads of the --hf rows (default 1)")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -603,14 +675,20 @@ def main(argv=None):
         # hybrid target's programs exhausted the kernel's map limit (65530) by the 8th method.
         jax.clear_caches()
         gc.collect()
-    if args.hf and not args.smoke:
-        hf_rows = hf_assisted(args.target, args.draft if os.path.isdir(args.draft) else None,
-                              [p for p in flat], args.new_tokens, args.repeats)
+    if (args.hf or args.llama_cpp) and not args.smoke:
+        hf_rows = []
+        if args.hf:
+            hf_rows = hf_assisted(args.target, args.draft if args.draft and os.path.isdir(args.draft) else None,
+                                  [p for p in flat], args.new_tokens, args.repeats, batch=args.batch,
+                                  threads=args.hf_threads)
+        if args.llama_cpp:
+            hf_rows += llama_cpp_peer(args.llama_cpp, flat, args.new_tokens, args.repeats)
         for r in hf_rows:
             if "tokens_per_s" in r:
                 r["speedup"] = r["tokens_per_s"] / ar[0.0]["tokens_per_s"]
         # The peer to beat: transformers' fastest speculative variant on the same prompts.
-        peers = [r for r in hf_rows if "tokens_per_s" in r and r["method"] != "hf ar"]
+        peers = [r for r in hf_rows if "tokens_per_s" in r and r["method"].startswith("hf ") and r["method"] != "hf ar"
+                 and " batch " not in r["method"]]
         # No speculative variant runs (transformers refuses assisted generation on stateful
         # models such as Qwen3-Next): the peer is its plain greedy loop, and the header says so.
         peers = peers or [r for r in hf_rows if r["method"] == "hf ar" and "tokens_per_s" in r]

@@ -198,8 +198,9 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     target_dir = _resolve(cfg.target)
     ident = identity(cfg, target_dir)
     open_run(run_dir, export_dir, ident, overwrite)
-    tok = load_tokenizer(str(target_dir))
-    streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
+    streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
+                               run_dir / "token-cache")
+    train_tokens = train_stream(cfg, run_dir, streams)
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
 
     state = sharding.place_params(init(), rules, mesh)
@@ -209,7 +210,7 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     t_last, n_tok = time.perf_counter(), 0
     record = None
     for step in range(start, stop):
-        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        batch = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
         loss = float(m["loss"])
         if not math.isfinite(loss):
@@ -237,6 +238,21 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
         (export_dir / "train_info.json").write_text(json.dumps(train_info(cfg, ident, record), indent=2) + "\n")
         print(f"exported {export_dir}")
     return state
+
+
+def train_stream(cfg, run_dir, streams=None) -> np.ndarray:
+    """The training token stream [N]: the corpus's train split in the target's tokenization, then the
+    `extra_train` stream when the config names one (the target's own continuations)."""
+    if streams is None:
+        streams = load_streams_for(load_tokenizer(str(_resolve(cfg.target))), cfg.manifest, cfg.corpus_root,
+                                   cfg.max_files, Path(run_dir) / "token-cache")
+    extra = getattr(cfg, "extra_train", None)
+    if not extra:
+        return streams.train
+    path = _resolve(extra)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"extra_train {path}: no such token stream (make it with python -m train.continuations)")
+    return np.concatenate([streams.train, np.load(path).astype(streams.train.dtype)])
 
 
 def train_info(cfg, ident: dict, record: dict) -> dict:

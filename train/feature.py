@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.checkpoint import load_model
-from specjax.drafters import feature as F
+from specjax.drafters import feature as F, vocab as vocab_lib
 from specjax.models import family, transformer
 from train import drafter_run
 from train.lm import REPO, _resolve
@@ -50,6 +50,13 @@ class FeatureTrainConfig:
     manifest: str = "train/manifest.json"
     corpus_root: str | None = None  # None: this interpreter's stdlib
     max_files: int | None = None  # per split (tests)
+    # EAGLE-3's reduced draft vocabulary: the head is trained on the N most frequent target tokens of
+    # the training stream (the target's distribution renormalised over them); the export ships the
+    # ranking, so a smaller N can be chosen at load time (specjax.drafters.vocab). None: all V.
+    draft_vocab: int | None = None
+    # Extra training data: a .npy int32 token stream (train.continuations: the target's own
+    # continuations) appended to the corpus's train split. None: the corpus alone.
+    extra_train: str | None = None
 
 
 def load_config(path) -> FeatureTrainConfig:
@@ -60,19 +67,24 @@ def head_config(cfg: FeatureTrainConfig, target) -> F.FeatureConfig:
     return F.FeatureConfig.for_target(target.config, cfg.target_layers, cfg.intermediate_size)
 
 
-def ttt_loss(head, target, tokens_BxT, decay: float, steps: int):
-    """(weighted loss, per-step loss [K], per-step top-1 agreement [K])."""
+def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None):
+    """(weighted loss, per-step loss [K], per-step top-1 agreement [K]). `vocab_ids` [N]: a reduced
+    draft vocabulary (the loss and the agreement over those tokens)."""
     B, T = tokens_BxT.shape
     fam = family(target)  # a dense or a hybrid target: the same features, its own cache
     out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
                       transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
     feats = jax.lax.stop_gradient(F.target_features(out))
-    logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
-    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay)
+    if vocab_ids is None:
+        logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
+        return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay)
+    rows = jax.lax.stop_gradient(vocab_lib.head_rows(target, vocab_ids))  # [N, E]
+    logits = F.ttt_logits(head, target, tokens_BxT, feats, steps, rows)  # [K, B, T, N]
+    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits[..., vocab_ids]), decay)
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: FeatureTrainConfig, target_dir: str):
+def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
     target = load_model(target_dir)
     hcfg = head_config(cfg, target)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
@@ -80,7 +92,7 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str):
 
     def loss_of(params, tokens):
         return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
-                        cfg.depth_decay, cfg.ttt_steps)
+                        cfg.depth_decay, cfg.ttt_steps, None if vocab_ids is None else jnp.asarray(vocab_ids))
 
     train_step, eval_step, init = drafter_run.unrolled_steps(
         cfg, loss_of, lambda: nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param), RULES)
@@ -95,9 +107,19 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
-    _, _, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
-    return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES,
-                                    lambda params, d: F.save_feature_head(nnx.merge(head_def, params), str(d)),
+    target_dir = str(_resolve(cfg.target))
+    ranking = None
+    if cfg.draft_vocab is not None:  # the N most frequent tokens of the training stream
+        ranking = vocab_lib.token_ranking(drafter_run.train_stream(cfg, run_dir), load_model(target_dir).config.vocab_size)
+    ids = None if ranking is None else tuple(int(i) for i in ranking[:cfg.draft_vocab])
+    _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
+
+    def save(params, d):
+        F.save_feature_head(nnx.merge(head_def, params), str(d))
+        if ranking is not None:
+            vocab_lib.save_ranking(str(d), ranking)
+
+    return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
                                     max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
 
 

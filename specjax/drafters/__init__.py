@@ -18,7 +18,7 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     `confidence` / `costs`: a block drafter's confidence cut ("off", a threshold, or "schedule" with
     round seconds per verify width; see `specjax.drafters.block.BlockDrafter`).
     `fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (lm and feature drafters).
-    `draft_vocab`: an MTP drafter's reduced draft vocabulary, the N most frequent tokens of the
+    `draft_vocab`: an MTP or feature drafter's reduced draft vocabulary, the N most frequent tokens of the
     ranking shipped beside its weights (`specjax.drafters.vocab`); None: the full vocabulary.
     `target_path`: the target's directory; a feature or block drafter reads that target's hidden states, so
     one trained on other weights (its `train_info.json` records the digest) is refused: shapes
@@ -40,8 +40,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
             raise ValueError("the MTP drafter takes neither FOLD nor a confidence cut")
         return MTPDrafter(load_mtp_head(target_path, target.config, dtype=target.config.dtype), target,
                           _draft_vocab(target_path, target, draft_vocab))
-    if draft_vocab is not None and not (os.path.isdir(spec) and _kind(spec) == "mtp"):
-        raise ValueError("a reduced draft vocabulary is built for the MTP drafter; this one is not")
+    if draft_vocab is not None and not (os.path.isdir(spec) and _kind(spec) in ("mtp", "feature")):
+        raise ValueError("a reduced draft vocabulary is built for the MTP and feature drafters; this one is not")
     if spec == "ngram" or spec.startswith("ngram:"):
         if confidence not in (None, "off") or costs is not None:
             raise ValueError("a confidence cut needs a block drafter (DSpark); the n-gram drafter is not")
@@ -80,7 +80,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
         return MTPDrafter(load_mtp_head(spec, target.config, dtype=target.config.dtype), target,
                           _draft_vocab(spec, target, draft_vocab))
     if kind == "feature":
-        return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold)
+        return FeatureDrafter(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold,
+                              draft_vocab=_draft_vocab(spec, target, draft_vocab))
     return LMDrafter(load_model(spec, dtype=target.config.dtype), fold=fold)
 
 

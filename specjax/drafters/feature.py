@@ -19,10 +19,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
-from specjax.drafters import heads
+from specjax.drafters import heads, vocab as vocab_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import transformer
@@ -87,13 +88,20 @@ def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT, ro
     return transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin), v
 
 
-def finish(head: FeatureHead, target: Model, x_BxTxE, attn_BxTxHxD):
-    """Residual, MLP, and logits through the target's head. Returns (hidden out, logits)."""
+def finish(head: FeatureHead, target: Model, x_BxTxE, attn_BxTxHxD, vocab=None):
+    """Residual, MLP, and logits through the target's head. Returns (hidden out, logits). `vocab`:
+    (ids [N], LM-head rows [N, E]) of a reduced draft vocabulary (-inf logits elsewhere;
+    `specjax.drafters.vocab`), or rows [N, E] alone for the N logits only (training); None: the full head."""
     B, T = x_BxTxE.shape[:2]
     x = x_BxTxE + linear(head.o_proj, attn_BxTxHxD.reshape(B, T, -1))
     h = rms_norm(head.post_attention_layernorm, x)
     x = x + linear(head.mlp.down_proj, jax.nn.silu(linear(head.mlp.gate_proj, h)) * linear(head.mlp.up_proj, h))
-    return x, transformer.lm_head(target, rms_norm(head.norm, x))
+    h = rms_norm(head.norm, x)
+    if vocab is None:
+        return x, transformer.lm_head(target, h)
+    if not isinstance(vocab, tuple):  # rows only: logits over the draft vocabulary [.., N]
+        return x, (h @ vocab.T).astype(jnp.float32)
+    return x, vocab_lib.logits(h, vocab[0], vocab[1], head.config.vocab_size)
 
 
 def fuse(head: FeatureHead, features_BxTxF):
@@ -101,7 +109,7 @@ def fuse(head: FeatureHead, features_BxTxF):
 
 
 def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None,
-         attention: attention_lib.Attention | None = None):
+         attention: attention_lib.Attention | None = None, vocab=None):
     """One drafter pass over T entries with a KV cache (drafting and commit). `attention`: a
     `specjax.attention.Attention` (default: the jnp one); one that `rotates` (FOLD,
     `specjax.fold.FoldAttention`) gets q and k un-rotated and the cache keeps keys before RoPE."""
@@ -110,12 +118,13 @@ def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_
     layer_attention = attention.bind(cache, positions_BxT, mask_BxTxS)
     cache = kvcache.write(cache, 0, k, v, offset_B)
     attn = layer_attention(q, cache, 0)
-    x, logits = finish(head, target, x_BxTxE, attn)
+    x, logits = finish(head, target, x_BxTxE, attn, vocab)
     return x, logits, cache
 
 
-def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, steps: int):
-    """Training-time test over a packed sequence: logits [steps, B, T, V].
+def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, steps: int, rows_NxE=None):
+    """Training-time test over a packed sequence: logits [steps, B, T, V] (with `rows_NxE`, the LM
+    head's rows of a reduced draft vocabulary: [steps, B, T, N] over those tokens only).
 
     Step 1 at anchor a is the entry (feature a, token a+1); step k > 1 is (own hidden of step k-1
     at the same anchor, token a+k), at position a+k-1, and sees the step-1 entries up to a plus its
@@ -144,7 +153,7 @@ def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, ste
         o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T], values[0])
         for j, vj in enumerate(values[1:]):
             o = o + p[..., T + j][..., None].transpose(0, 3, 1, 2, 4) * vj[:, :, :, None, :]
-        x, logits = finish(head, target, x, o.reshape(B, T, cfg.num_heads, cfg.head_dim))
+        x, logits = finish(head, target, x, o.reshape(B, T, cfg.num_heads, cfg.head_dim), rows_NxE)
         out.append(logits)
     return jnp.stack(out)
 
@@ -170,17 +179,25 @@ class FeatureDrafter(heads.HeadDrafter):
     attends = True
     stops_early = True
 
-    def __init__(self, head: FeatureHead, target: Model, fold=None):
-        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
+    def __init__(self, head: FeatureHead, target: Model, fold=None, draft_vocab=None):
+        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain).
+        `draft_vocab`: token ids [N] of a reduced draft vocabulary (`specjax.drafters.vocab`: the LM
+        head's N rows only; q is zero elsewhere); None: the full vocabulary."""
         self.check_target(head.config, target, "feature")
         from specjax import fold as fold_lib
         self.head = head
         self.target = target  # shared: embedding and LM head
         self.fold = fold_lib.check(fold)  # static: FOLD attention in every step (None: plain)
+        self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
+
+    @property
+    def _vocab(self):
+        return None if self.vocab_ids is None else (self.vocab_ids[...], self.vocab_rows[...])
 
     def with_fold(self, cfg) -> "FeatureDrafter":
-        """The same drafter (same head and target) with FOLD on (`cfg`) or off (None)."""
-        return FeatureDrafter(self.head, self.target, fold=cfg)
+        """The same drafter (same head, target and draft vocabulary) with FOLD on (`cfg`) or off (None)."""
+        ids = None if self.vocab_ids is None else np.asarray(self.vocab_ids[...])
+        return FeatureDrafter(self.head, self.target, fold=cfg, draft_vocab=ids)
 
     @property
     def attention(self):
@@ -226,7 +243,7 @@ class FeatureDrafter(heads.HeadDrafter):
                 x_in = jnp.take_along_axis(scratch, jnp.maximum(parent_slot_BxF, 0)[..., None], axis=1)
             pos = jnp.broadcast_to(cache.length[:, None] + depth, (B, F))
             x_out, logits, cache = step(self.head, self.target, tokens_BxF, x_in, pos, cache, mask_BxFxS,
-                                        jnp.full((B,), offset, jnp.int32), attention=self.attention)
+                                        jnp.full((B,), offset, jnp.int32), attention=self.attention, vocab=self._vocab)
             scratch = jax.lax.dynamic_update_slice_in_dim(scratch, x_out, offset, axis=1)
             logq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             return logq, (cache, scratch)
@@ -256,7 +273,7 @@ class FeatureDrafter(heads.HeadDrafter):
             hidden, _ = carry
             x_in = jnp.where(is_root, x_root, jnp.take_along_axis(hidden, par, axis=1))
             hidden, logits, _ = step(self.head, self.target, tree.tokens, x_in, pos, state.cache, mask,
-                                     attention=self.attention)
+                                     attention=self.attention, vocab=self._vocab)
             return hidden, logits.astype(jnp.float32)
 
         init = (jnp.zeros((B, N, E), x_root.dtype), jnp.zeros((B, N, self.vocab_size), jnp.float32))

@@ -192,15 +192,7 @@ class MTPDrafter(heads.HeadDrafter):
             raise ValueError("the MTP module was built for another model family than the target's")
         self.head = head
         self.target = target  # shared: embedding, LM head, final norm
-        if draft_vocab is None:
-            self.vocab_ids = self.vocab_rows = None
-        else:
-            ids = np.asarray(draft_vocab)
-            V = head.config.vocab_size
-            if ids.ndim != 1 or not 1 <= ids.size <= V or ids.min() < 0 or ids.max() >= V or np.unique(ids).size != ids.size:
-                raise ValueError(f"draft vocabulary: expected distinct token ids in 0..{V - 1}, got shape {ids.shape}")
-            self.vocab_ids = vocab_lib.DraftVocab(jnp.asarray(ids, jnp.int32))
-            self.vocab_rows = vocab_lib.DraftVocab(vocab_lib.head_rows(target, ids))
+        self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
 
     @property
     def _vocab(self):

@@ -70,3 +70,15 @@ def logits(h_BxTxE, ids_N, rows_NxE, vocab_size: int):
     sub = (h_BxTxE @ rows_NxE.T).astype(jnp.float32)  # [B, T, N]
     full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
     return full.at[..., ids_N].set(sub)
+
+
+def draft_vocab_vars(target, draft_vocab, vocab_size: int):
+    """(ids, rows) `DraftVocab` variables of a drafter's reduced vocabulary (token ids [N] and the
+    LM head's rows [N, E]), checked; (None, None) for the full vocabulary (`draft_vocab` None)."""
+    if draft_vocab is None:
+        return None, None
+    ids = np.asarray(draft_vocab)
+    V = vocab_size
+    if ids.ndim != 1 or not 1 <= ids.size <= V or ids.min() < 0 or ids.max() >= V or np.unique(ids).size != ids.size:
+        raise ValueError(f"draft vocabulary: expected distinct token ids in 0..{V - 1}, got shape {ids.shape}")
+    return DraftVocab(jnp.asarray(ids, jnp.int32)), DraftVocab(head_rows(target, ids))
