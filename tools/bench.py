@@ -268,8 +268,8 @@ def greedy_check(target, prompts, reference, candidate) -> dict:
 
 def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats, batch: int = 1, threads: int = 1) -> list[dict]:
     """transformers on the same weights and prompts: greedy (`hf ar`), prompt lookup and, with a
-    same-vocabulary `draft_dir`, assisted generation; batch 1 (its speculative modes' only one), and
-    at `batch` > 1 the greedy loop on left-padded batches too (`hf ar batch B`)."""
+    same-vocabulary `draft_dir`, assisted generation, at batch 1 (its speculative modes' only one); at
+    `batch` > 1 its greedy loop on left-padded batches instead (`hf ar batch B`)."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)  # 1: measured faster than 2 threads on this 2-core machine (bench_ar)
@@ -283,8 +283,8 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats, batch: int 
             rows.append({"method": "hf assisted", "unsupported": f"{Path(draft_dir).name} has another vocabulary"})
         else:
             variants.append((f"hf assisted ({Path(draft_dir).name})", {"assistant_model": asst}))
-    if batch > 1:
-        variants.append((f"hf ar batch {batch}", {"batch": batch}))
+    if batch > 1:  # the speculative variants are batch-1 only (measured by a batch-1 run)
+        variants = [(f"hf ar batch {batch}", {"batch": batch})]
     for name, extra in variants:
         def run(prompts=prompts, extra=extra):
             n = 0
@@ -681,7 +681,9 @@ def main(argv=None):
             hf_rows = hf_assisted(args.target, args.draft if args.draft and os.path.isdir(args.draft) else None,
                                   [p for p in flat], args.new_tokens, args.repeats, batch=args.batch,
                                   threads=args.hf_threads)
-        if args.llama_cpp:
+        if args.llama_cpp and args.batch > 1:
+            hf_rows.append({"method": "llama.cpp", "unsupported": "batch 1 only (llama-cpp-python decodes one sequence)"})
+        elif args.llama_cpp:
             hf_rows += llama_cpp_peer(args.llama_cpp, flat, args.new_tokens, args.repeats)
         for r in hf_rows:
             if "tokens_per_s" in r:
@@ -691,8 +693,9 @@ def main(argv=None):
                  and " batch " not in r["method"]]
         # No speculative variant runs (transformers refuses assisted generation on stateful
         # models such as Qwen3-Next): the peer is its plain greedy loop, and the header says so.
-        peers = peers or [r for r in hf_rows if r["method"] == "hf ar" and "tokens_per_s" in r]
-        if peers and args.batch == 1:
+        # At batch > 1 the peer is its batched greedy loop (its speculative variants are batch-1 only).
+        peers = peers or [r for r in hf_rows if r["method"].startswith("hf ar") and "tokens_per_s" in r]
+        if peers:
             best = max(peers, key=lambda r: r["tokens_per_s"])
             for r in rows:
                 if r["temperature"] == 0:

@@ -197,7 +197,8 @@ def write_outputs(rows, notes, meta, out: Path):
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# FOLD on long contexts ({meta['setup']})", "",
              f"Test split; {meta['n_prompts']} prompts per length, {meta['new_tokens']} new tokens each, batch "
-             f"{meta['batch']}, greedy; median of {meta['repeats']} timed repeats after a warm-up; float32 on "
+             f"{meta['batch']}, greedy; median of {meta['repeats']} timed repeats "
+             f"{'after a warm-up' if meta.get('warmup', True) else 'without a warm-up (tokens/s include compilation)'}; float32 on "
              f"{meta['device']}; load average before the run {meta['load_avg']}. Context L = prompt + generated "
              f"tokens + draft depth <= L. Speedup is over our autoregressive loop at the same length, same process.",
              "", f"FOLD parameters: {meta['params']}", "", f"Command: `{meta['command']}`", ""]
@@ -272,6 +273,9 @@ def main(argv=None):
     ap.add_argument("--beta", default="log-ratio", choices=list(fold_lib.BETA_RULES))
     ap.add_argument("--impl", default=None, choices=list(fold_lib.IMPLS),
                     help="far_attention impl (default: Triton on an NVIDIA GPU, the jnp reference elsewhere)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="no untimed warm-up call per method: tau is the same, tokens/s then includes compilation "
+                         "(for long contexts on a slow machine, where a prefill takes a minute)")
     ap.add_argument("--tune", action="store_true", help="choose window and lambda on the validation split first")
     ap.add_argument("--tune-windows", default=None, help="default 128,256 (smoke 16,32)")
     ap.add_argument("--tune-lambdas", default="0,0.25,0.5,1")
@@ -353,14 +357,14 @@ def main(argv=None):
         groups = groups_of(prompts, args.batch)
         flat = [p for g in groups for p in g]
         print(f"[bench_long] L={L}: autoregressive ...", file=sys.stderr, flush=True)
-        ar = timed(target, groups, args.new_tokens, args.repeats)
+        ar = timed(target, groups, args.new_tokens, args.repeats, warm=not args.no_warmup)
         for name, drafter in drafters.items():
             cfg = per_drafter[name]
             for v in variants:
                 print(f"[bench_long] L={L}: {name} {v} ...", file=sys.stderr, flush=True)
                 vcfg = variant_config(v, cfg)
                 d = fold_lib.with_fold(drafter, vcfg)
-                r = timed(target, groups, args.new_tokens, args.repeats, d, args.trees[name])
+                r = timed(target, groups, args.new_tokens, args.repeats, d, args.trees[name], warm=not args.no_warmup)
                 diag = fold_lib.attention_diagnostics(target, fold_lib.with_fold(drafter, diagnostic_config(v, cfg)),
                                                       flat[: min(len(flat), 2)])
                 n_far = max(0, len(flat[0]) - cfg.window - cfg.sinks)
@@ -374,6 +378,7 @@ def main(argv=None):
             "n_prompts": args.prompts, "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
             "device": jax.devices()[0].device_kind, "platform": platform.platform(), "load_avg": os.getloadavg()[0],
             "params": "; ".join(f"{k}: {c.describe()}" for k, c in per_drafter.items()) + f" — {params_src}",
+            "warmup": not args.no_warmup,
             "trees": {k: args.trees[k] for k in drafters},
             "command": "python tools/bench_long.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write_outputs(rows, notes, meta, out)
