@@ -276,6 +276,8 @@ def main(argv=None):
     ap.add_argument("--no-warmup", action="store_true",
                     help="no untimed warm-up call per method: tau is the same, tokens/s then includes compilation "
                          "(for long contexts on a slow machine, where a prefill takes a minute)")
+    ap.add_argument("--tune-only", action="store_true", help="with --tune: write the tuning and stop (the report "
+                                                                 "runs later, at other lengths, and reads it)")
     ap.add_argument("--tune", action="store_true", help="choose window and lambda on the validation split first")
     ap.add_argument("--tune-windows", default=None, help="default 128,256 (smoke 16,32)")
     ap.add_argument("--tune-lambdas", default="0,0.25,0.5,1")
@@ -333,6 +335,9 @@ def main(argv=None):
         result = tune(target, drafters, prompt_sets("validation"), args, base)
         args.prompts = n_test
         write_tune(result, base, tune_out)
+        if args.tune_only:
+            print(tune_out.with_suffix(".md").read_text())
+            return 0
         tuned, params_src = result["chosen"], f"tuned on validation ({tune_out.with_suffix('.md').name})"
     elif args.params or tune_out.with_suffix(".json").exists():
         path = Path(args.params) if args.params else tune_out.with_suffix(".json")

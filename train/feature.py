@@ -115,7 +115,8 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
 
     def save(params, d):
-        F.save_feature_head(nnx.merge(head_def, params), str(d))
+        # bf16 like the other drafters' exports (the shipped code-target(-hybrid)-feature predate this: float32)
+        F.save_feature_head(nnx.merge(head_def, params), str(d), jnp.bfloat16)
         if ranking is not None:
             vocab_lib.save_ranking(str(d), ranking)
 

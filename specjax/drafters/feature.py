@@ -294,9 +294,10 @@ class FeatureDrafter(heads.HeadDrafter):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_feature_head(head: FeatureHead, path: str) -> None:
-    """`drafter_config.json` + `model.safetensors` of the head only (the target is not copied)."""
-    heads.save_head(head, path, "feature")
+def save_feature_head(head: FeatureHead, path: str, dtype=None) -> None:
+    """`drafter_config.json` + `model.safetensors` of the head only (the target is not copied), cast to
+    `dtype` when given (the trainer exports bf16)."""
+    heads.save_head(head, path, "feature", dtype)
 
 
 def load_feature_head(path: str, dtype=jnp.float32) -> FeatureHead:
