@@ -318,38 +318,21 @@ def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats, batch: int 
 def llama_cpp_peer(gguf_file, prompts, new_tokens, repeats, threads: int = 2) -> list[dict]:
     """llama.cpp (llama-cpp-python, the `peers` extra) on the original GGUF: its greedy loop and its
     prompt-lookup speculative decoding (`LlamaPromptLookupDecoding`), batch 1 (its Python API decodes
-    one sequence). It runs the file's quantized weights, so its tokens differ from ours: speed only."""
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError as e:
-        return [{"method": "llama.cpp", "unsupported": f"llama-cpp-python not installed ({e}); pip install -e '.[peers]'"}]
-    import llama_cpp
-    rows = []
-    ctx = max(map(len, prompts)) + new_tokens + 16
-    for name, draft in [("llama.cpp ar", None), ("llama.cpp prompt-lookup", "lookup")]:
-        llm = Llama(model_path=str(gguf_file), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=6) if draft else None)
-
-        def run(prompts=prompts, llm=llm):
-            n = 0
-            for p in prompts:
-                for i, _ in enumerate(llm.generate(list(p), top_k=1, top_p=1.0, temp=0.0, reset=True)):
-                    if i + 1 == new_tokens:  # EOS ignored, as in our rows: every prompt gets new_tokens
-                        break
-                n += new_tokens
-            return n
-        run(prompts[:1])  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            n = run()
-            times.append(time.perf_counter() - t0)
-        rows.append({"method": f"{name} ({Path(gguf_file).stem.rsplit('.', 1)[-1]} weights)",
-                     "tokens_per_s": n / statistics.median(times), "tokens": n, "seconds": statistics.median(times),
-                     "llama_cpp_version": llama_cpp.__version__})
-        del llm
-    return rows
+    one sequence). It runs the file's quantized weights, so its tokens differ from ours: speed only.
+    Run in a child process (`tools/llama_cpp_peer.py`): llama.cpp beside torch and XLA in one process
+    crashed here (a segmentation fault), and a crash there must not lose the other rows."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "prompts.json"
+        spec.write_text(json.dumps({"gguf": str(gguf_file), "prompts": prompts, "new_tokens": new_tokens,
+                                    "repeats": repeats, "threads": threads}))
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "llama_cpp_peer.py"), str(spec)],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:160]
+        return [{"method": "llama.cpp", "unsupported": why}]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def smoke_models(seed=0):
@@ -671,6 +654,8 @@ def main(argv=None):
         if m.temperature == 0 and m.drafter is not None:
             row["check"] = greedy_check(target, flat, ar[0.0]["sequences"], row["sequences"])
         rows.append(row)
+        partial = Path(str(args.out) + ".partial.json")  # a crash later keeps what was measured
+        partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "sequences"} for r in rows]) + "\n")
         # Free this method's executables: XLA:CPU maps each one in thousands of pieces, and the
         # hybrid target's programs exhausted the kernel's map limit (65530) by the 8th method.
         jax.clear_caches()
