@@ -695,6 +695,7 @@ def main(argv=None):
             "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hf_peer": meta_hf, "verify_profile": profile_used, "dspark_threshold": args.dspark_threshold}
     write_outputs(rows, meta, Path(args.out))
+    Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:
         plot_budgets(rows, meta, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
