@@ -379,6 +379,7 @@ def main(argv=None):
                              "ar_tokens_per_s": ar["tokens_per_s"], "entropy": diag["entropy"],
                              "far_mass": diag["far_mass"], "attn_total": diag["total"], "n_far": n_far,
                              **{k: v for k, v in greedy_check(target, flat, ar["sequences"], r["sequences"]).items()}})
+        Path(str(out) + ".partial.json").write_text(json.dumps(rows) + "\n")  # a stopped run keeps its lengths
     meta = {"setup": "smoke: tiny random models" if smoke else f"zoo: {Path(args.target).name}",
             "n_prompts": args.prompts, "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
             "device": jax.devices()[0].device_kind, "platform": platform.platform(), "load_avg": os.getloadavg()[0],
@@ -387,6 +388,7 @@ def main(argv=None):
             "trees": {k: args.trees[k] for k in drafters},
             "command": "python tools/bench_long.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write_outputs(rows, notes, meta, out)
+    Path(str(out) + ".partial.json").unlink(missing_ok=True)
     print(out.with_suffix(".md").read_text())
     bad = [(r["drafter"], r["length"], r["variant"]) for r in rows if r["mismatch"]]
     if bad:  # FOLD changes only the drafter: greedy output must not move (near-ties aside)
