@@ -41,7 +41,7 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
         return MTPDrafter(load_mtp_head(target_path, target.config, dtype=target.config.dtype), target,
                           _draft_vocab(target_path, target, draft_vocab))
     if draft_vocab is not None and not (os.path.isdir(spec) and _kind(spec) in ("mtp", "feature")):
-        raise ValueError("a reduced draft vocabulary is built for the MTP and feature drafters; this one is not")
+        raise ValueError("a reduced draft vocabulary is built for the MTP drafter and the feature drafter; this one is not")
     if spec == "ngram" or spec.startswith("ngram:"):
         if confidence not in (None, "off") or costs is not None:
             raise ValueError("a confidence cut needs a block drafter (DSpark); the n-gram drafter is not")
