@@ -146,20 +146,20 @@ def train_block_on_own_outputs(target, head, tc, anchors_fn, steps: int, seed: i
     prompts = rng.integers(0, vocab, (24, 6)).tolist()
     res = specjax.generate(target, prompts, max_new_tokens=34)
     data = np.array([p + s for p, s in zip(prompts, res.sequences())], np.int32)
-    gdef, params = nnx.split(head, nnx.Param)
+    gdef, params, consts = nnx.split(head, nnx.Param, ...)  # consts: a draft vocabulary's ids, if any
     tx = optax.adam(3e-3)
 
     @jax.jit
     def step(params, opt, key):
         anchors = anchors_fn(key, data.shape[0], data.shape[1])
-        g = jax.grad(lambda p: block_loss(nnx.merge(gdef, p), target, jnp.asarray(data), anchors, tc)[0])(params)
+        g = jax.grad(lambda p: block_loss(nnx.merge(gdef, p, consts), target, jnp.asarray(data), anchors, tc)[0])(params)
         u, opt = tx.update(g, opt, params)
         return optax.apply_updates(params, u), opt
 
     opt = tx.init(params)
     for i in range(steps):
         params, opt = step(params, opt, jax.random.key(i))
-    return nnx.merge(gdef, params), data
+    return nnx.merge(gdef, params, consts), data
 
 
 def first_two_chi_squares(first, second, n, p0, p1, V: int, min_rows: int = 2000) -> list[tuple]:

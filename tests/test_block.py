@@ -7,7 +7,9 @@
   pass, and DSpark as TreeGraft's cheap drafter;
 - the sampled-candidates rule with Markov sampling keeps the target's distribution (chi-square over
   1e5 rounds), and a planted bug (q reported without the Markov term) is caught;
-- the scheduler and the calibration on known numbers; checkpoints and refusals.
+- the scheduler and the calibration on known numbers; checkpoints and refusals;
+- a reduced draft vocabulary: drafting = training pass, greedy exact, q zero outside it, the ids
+  restored from the exported ranking.
 """
 from __future__ import annotations
 
@@ -377,3 +379,67 @@ def test_checkpoint_round_trip_and_refusals(dense, tmp_path):
     other = tiny_target(VOCAB + 1)
     with pytest.raises(ValueError, match="vocab"):
         BlockDrafter(head, other)
+
+
+# ----------------------------------------------------------------------------- a reduced draft vocabulary
+
+def test_draft_vocabulary(dense, tmp_path):
+    """The base logits and the Markov head over N of the V tokens: the drafting pass equals the
+    training pass (over the N), q is zero outside them (a token outside is never drafted, and the
+    target's tokens outside are still emitted: greedy output exact), and the ids come back from the
+    exported ranking. The head is the trained one restricted to the N (its Markov rows for them, zero
+    for every token outside); train.block's loss and export with a draft vocabulary: test_train."""
+    from specjax.drafters import vocab as vocab_lib
+    target, trained, data = dense
+    ranking = vocab_lib.token_ranking(data, VOCAB)
+    N = 24  # the 24 most frequent tokens of the data: the target's continuations use others too
+    ids = ranking[:N]
+    cfg = dataclasses.replace(trained.config, draft_vocab=N)
+    head = BlockHead(cfg, nnx.Rngs(0), draft_ids=ids)
+    assert head.markov_embed.shape == (N + 1, cfg.markov_rank) and head.markov_out.shape == (cfg.markov_rank, N)
+    flat = dict(nnx.to_flat_state(nnx.state(trained, nnx.Param)))
+    for key, var in nnx.to_flat_state(nnx.state(head, nnx.Param)):
+        src = flat[key].get_value()
+        if key[-1] == "markov_embed":
+            src = jnp.concatenate([src[ids], jnp.zeros_like(src[:1])])
+        elif key[-1] == "markov_out":
+            src = src[:, ids]
+        var.set_value(src)
+    toks = jnp.asarray(data[:1])
+    assert not np.isin(np.asarray(data), ids).all()  # the target's text uses tokens outside
+    # drafting pass = training pass (N-wide base logits), and the widened q is zero outside
+    d = BlockDrafter(head, target)
+    fam = family(target)
+    feats = full_features(target, toks, cfg.target_layers)
+    tp = train_logits(head, target, toks, feats, jnp.asarray([[11]]))
+    assert tp.base.shape[-1] == N
+    pre = fam.prefill(target, toks, jnp.asarray([11]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
+    st = d.init(toks, jnp.asarray([11]), 64, pre)
+    np.testing.assert_allclose(np.asarray(d.draft_block(st, toks[:, 11]).base[0]), np.asarray(tp.base[0, 0]),
+                               atol=2e-4, rtol=1e-4)
+    prop = d.propose(st, toks[:, 11], DraftContext(parse_tree_spec(f"chain={W}"), "topk", SamplingParams.make(0.0),
+                                                   jax.random.key(0)))
+    outside = ~np.isin(np.arange(VOCAB), ids)
+    assert (np.asarray(prop.probs[0, :W])[:, outside] == 0).all()
+    assert np.isin(np.asarray(prop.tree.tokens[0, 1:]), ids).all()
+    lq = d.score(st, prop.tree)
+    np.testing.assert_allclose(np.exp(np.asarray(lq[:, :W])), np.asarray(prop.probs[:, :W]), atol=1e-5)
+    prompts = _ragged(data, 4)
+    ref = specjax.generate(target, prompts, max_new_tokens=24).sequences()
+    got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[d])
+    assert got.sequences() == ref and got.stats["tau"].max() > 1.1
+    # a best-first tree from the one pass (its tables widen the N-wide rows too)
+    assert specjax.generate(target, prompts, max_new_tokens=24, drafters=[d], tree="ddtree,nodes=6,depth=3,k=2").sequences() == ref
+    # export: the ranking beside the head; the ids are its first N
+    save_block_head(head, str(tmp_path / "blk"))
+    with pytest.raises(FileNotFoundError, match="no token ranking"):
+        load_block_head(str(tmp_path / "blk"))
+    vocab_lib.save_ranking(str(tmp_path / "blk"), ranking)
+    back = load_drafter(str(tmp_path / "blk"), target)
+    assert np.array_equal(np.asarray(back.head.vocab_ids[...]), ids)
+    np.testing.assert_allclose(np.asarray(back.draft_block(st, toks[:, 11]).base), np.asarray(d.draft_block(st, toks[:, 11]).base),
+                               atol=0.05)  # bf16 weights
+    with pytest.raises(ValueError, match="draft_ids"):
+        BlockHead(cfg, nnx.Rngs(0))
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        BlockConfig.for_target(target.config, block_size=W, draft_vocab=VOCAB + 1)

@@ -464,19 +464,25 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
     assert "Reduced draft vocabulary" in card and "own continuations" in card
 
     # ReaDy on the same hybrid: states at the anchors from the chunked pass, the zeroed-state
-    # ablation in train_info.json, the card's reader section, lossless drafting
+    # ablation in train_info.json, the card's reader section, lossless drafting; with a draft
+    # vocabulary fixed at training and the extra stream repeated
     from train import block
     rcfg = block.BlockTrainConfig(name="tiny-hybrid-ready", target=str(tmp_path / "export"), block_size=4, num_layers=1,
                                   markov_rank=8, state_layers="all", reader_out_rank=8, state_every=2, anchors=4,
                                   seq_len=16, batch_size=4, steps=4, warmup_steps=1, checkpoint_every=2, eval_every=4,
-                                  eval_tokens=128, manifest=str(zoo["manifest"]), corpus_root=str(zoo["root"]))
+                                  eval_tokens=128, manifest=str(zoo["manifest"]), corpus_root=str(zoo["root"]),
+                                  draft_vocab=96, extra_train=str(tmp_path / "extra.npy"), extra_repeat=3)
+    assert len(drafter_run.train_stream(rcfg, tmp_path / "feat")) == 3 * len(extra) + len(
+        drafter_run.train_stream(dataclasses.replace(rcfg, extra_train=None), tmp_path / "feat"))
     block.train(rcfg, tmp_path / "ready", tmp_path / "ready-export", progress=False)
     info = json.loads((tmp_path / "ready-export" / "train_info.json").read_text())
     assert len(info["final_zero_state"]["val_accept"]) == 4 and info["run"]["config"]["state_layers"] == "all"
     card, _ = model_card.block_card(tmp_path / "ready-export")
     assert "Recurrent-state reader" in card and "[0, 1, 2]" in card
+    assert "Reduced draft vocabulary" in card and "repeated 3 times" in card
     ready = load_drafter(str(tmp_path / "ready-export"), model, target_path=str(tmp_path / "export"))
     assert ready.reads_target_state and ready.state_index == (0, 1, 2)
+    assert ready.head.vocab_ids[...].shape == (96,) and ready.head.markov_embed.shape == (97, 8)
     assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[ready]).sequences() == ref_seq
 
 

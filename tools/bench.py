@@ -639,6 +639,10 @@ def main(argv=None):
                 methods += tree_methods(name, d, budgets, taps)
     if args.methods:
         keep = set(split_methods(args.methods))
+        unknown = sorted(keep - {m.name for m in methods})
+        if unknown:
+            ap.error(f"--methods: no method named {unknown}; with these drafters and options: "
+                     + ", ".join(m.name for m in methods))
         methods = [m for m in methods if m.name in keep or m.drafter is None]
     groups = batches(prompts, args.batch)
     flat = [p for g in groups for p in g]

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer
-from specjax.drafters import block as Bk
+from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
 from train import data, drafter_run
 from train.lm import REPO, _resolve, load_streams_for
@@ -97,8 +97,18 @@ class BlockTrainConfig:
     manifest: str = "train/manifest.json"
     corpus_root: str | None = None  # None: this interpreter's stdlib
     max_files: int | None = None  # per split (tests)
+    # EAGLE-3's reduced draft vocabulary: the base logits and the Markov head over the N most frequent
+    # target tokens of the training stream (the target's distribution renormalised over them; CE on the
+    # tokens inside), fixed at training (the export ships the ranking). None: all V.
+    draft_vocab: int | None = None
+    # Extra training data: a .npy token stream (train.continuations: the target's own continuations)
+    # appended to the corpus's train split `extra_repeat` times (a small stream made a real share). None: none.
+    extra_train: str | None = None
+    extra_repeat: int = 1
 
     def __post_init__(self):
+        if self.extra_repeat < 1:
+            raise ValueError(f"extra_repeat must be >= 1, got {self.extra_repeat}")
         if self.state_every < 1:
             raise ValueError(f"state_every must be >= 1, got {self.state_every}")
         if isinstance(self.state_layers, str) and self.state_layers != "all":
@@ -120,7 +130,8 @@ def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
                                      target_layers=cfg.target_layers, intermediate_size=cfg.intermediate_size,
                                      state_layers=cfg.state_layers or (), reader_rank=cfg.reader_rank,
                                      reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer,
-                                     ar_intermediate=cfg.ar_intermediate, boundary=cfg.boundary)
+                                     ar_intermediate=cfg.ar_intermediate, boundary=cfg.boundary,
+                                     draft_vocab=cfg.draft_vocab or 0)
 
 
 def sample_anchors(key, B: int, T: int, A: int, W: int):
@@ -210,10 +221,17 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
         logits = tp.ar
     B, A = anchors_BxA.shape
     pos = (anchors_BxA[..., None] + jnp.arange(W)).reshape(B, A * W)  # target at a+k predicts a+k+1
-    p_t = jax.nn.softmax(jnp.take_along_axis(tlogits, pos[..., None], axis=1), -1).reshape(B, A, W, -1)
+    t_logits = jnp.take_along_axis(tlogits, pos[..., None], axis=1)
     labels = jnp.take_along_axis(tokens_BxT, pos + 1, axis=1).reshape(B, A, W)
+    inside = jnp.ones(labels.shape, bool)
+    if head.vocab_ids is not None:  # over the draft vocabulary: the target renormalised, CE on the labels inside
+        t_logits = t_logits[..., head.vocab_ids[...]]
+        labels = head.vocab_index[...][labels]
+        inside = labels < hc.draft_vocab
+    p_t = jax.nn.softmax(t_logits, -1).reshape(B, A, W, -1)
     logp = jax.nn.log_softmax(logits, -1)
-    ce = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+    label_logp = jnp.take_along_axis(logp, jnp.minimum(labels, logp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    ce = -jnp.sum(jnp.where(inside, label_logp, 0.0)) / jnp.maximum(jnp.sum(inside), 1)
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
     w = jnp.exp(-jnp.arange(W) / cfg.decay)
     l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
@@ -254,10 +272,17 @@ def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: b
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: BlockTrainConfig, target_dir: str):
+def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
+    """`vocab_ids`: the draft vocabulary's token ids (`draft_vocab`), constants of the head beside its parameters."""
     target = load_model(target_dir)
     hcfg = head_config(cfg, target)
-    head_def = nnx.graphdef(nnx.eval_shape(lambda: Bk.BlockHead(hcfg, nnx.Rngs(0))))
+    new_head = lambda seed: Bk.BlockHead(hcfg, nnx.Rngs(seed), draft_ids=vocab_ids)  # noqa: E731
+    head0 = new_head(0)
+    head_def, consts = nnx.graphdef(head0), nnx.state(head0, vocab_lib.DraftVocab)
+
+    def head_of(params):
+        return nnx.merge(head_def, params, consts)
+
     tgt_def, tgt_params = nnx.split(target)
     schedule, tx = drafter_run.optimizer(cfg)
 
@@ -266,7 +291,7 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
 
     def loss_of(params, tokens, anchors, zero_state=False, lags=None):
         params = jax.tree_util.tree_map_with_path(lambda p, x: jax.lax.stop_gradient(x) if frozen(p) else x, params)
-        return block_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state,
+        return block_loss(head_of(params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state,
                           lags)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -289,18 +314,18 @@ def _fns(cfg: BlockTrainConfig, target_dir: str):
         anchors = anchors_for(cfg, hcfg, None, B, T, evenly=True)
         lags = cyclic_lags(anchors, hcfg.block_size) if hcfg.boundary else None
         loss, m = loss_of(params, tokens, anchors, zero_state, lags)
-        agree, accepted, conf = eval_blocks(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, anchors,
+        agree, accepted, conf = eval_blocks(head_of(params), nnx.merge(tgt_def, tgt_params), tokens, anchors,
                                             cfg.state_every, zero_state, lags)
         return loss, m, agree, accepted, conf, lags
 
     def init():
-        head = Bk.BlockHead(hcfg, nnx.Rngs(cfg.seed))
+        head = new_head(cfg.seed)
         if cfg.init_from:
             start_from(head, _resolve(cfg.init_from))
         params = nnx.state(head, nnx.Param)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    return target, hcfg, head_def, train_step, eval_step, init
+    return target, hcfg, head_of, train_step, eval_step, init
 
 
 def check_init_from(path: Path, target_sha256: str) -> str:
@@ -395,9 +420,11 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
-    target, hcfg, head_def, train_step, eval_step, init = _fns(cfg, str(target_dir))
     tok = load_tokenizer(str(target_dir))
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
+    stream = drafter_run.train_stream(cfg, run_dir, streams)  # the corpus, then extra_train
+    ranking, ids = drafter_run.draft_ranking(cfg, stream, target_dir)
+    target, hcfg, head_of, train_step, eval_step, init = _fns(cfg, str(target_dir), ids)
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
 
     state = sharding.place_params(init(), RULES, mesh)
@@ -407,7 +434,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     t_run, t_last, n_tok, train_s = time.perf_counter(), time.perf_counter(), 0, 0.0
     record = None
     for step in range(start, stop):
-        batch = data.batch_at(streams.train, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        batch = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
         t0 = time.perf_counter()
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
         loss = float(m["loss"])
@@ -434,17 +461,17 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
                             "wall_s": round(time.perf_counter() - t_run, 1)}) + "\n")
     if int(state["step"]) == cfg.steps and export_dir is not None:
-        export(cfg, identity, head_def, eval_step, state["params"], val, export_dir, run_dir)
+        export(cfg, identity, head_of, eval_step, state["params"], val, export_dir, run_dir, ranking)
     return state
 
 
-def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, run_dir: Path) -> None:
+def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run_dir: Path, ranking=None) -> None:
     """Calibrates the confidence head, then writes the drafter. The calibration sees the weights as
     shipped (rounded to bf16), fits the temperatures on the even validation blocks and reports the
     ECE on the odd ones (held out); the final record is of the shipped weights too."""
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), params)
     record, conf, accepted = evaluate(eval_step, params, val, cfg.batch_size)
-    head = nnx.merge(head_def, params)
+    head = head_of(params)
     calibration = None
     backbone = str(_resolve(cfg.init_from)) if cfg.freeze_backbone else None
     if backbone is not None:  # the backbone is unchanged: its calibration stands, and only the head is written
@@ -458,6 +485,8 @@ def export(cfg, identity, head_def, eval_step, params, val, export_dir: Path, ru
                        "ece_before": np.round(Bk.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
                        "ece_after": np.round(Bk.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}
     Bk.save_block_head(head, str(export_dir), backbone=backbone)
+    if ranking is not None:  # the draft vocabulary's ids: the first draft_vocab of it
+        vocab_lib.save_ranking(str(export_dir), ranking)
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
     train_s = sum(t["train_step_s"] for t in timing)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from specjax import sharding
-from specjax.checkpoint import load_tokenizer, weights_sha256
+from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
 from train import data
 from train.lm import RunRefused, _resolve, load_streams_for
 
@@ -242,7 +242,8 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
 
 def train_stream(cfg, run_dir, streams=None) -> np.ndarray:
     """The training token stream [N]: the corpus's train split in the target's tokenization, then the
-    `extra_train` stream when the config names one (the target's own continuations)."""
+    `extra_train` stream when the config names one (the target's own continuations), `extra_repeat`
+    times where the config has that key (oversampled: a small stream made a real share)."""
     if streams is None:
         streams = load_streams_for(load_tokenizer(str(_resolve(cfg.target))), cfg.manifest, cfg.corpus_root,
                                    cfg.max_files, Path(run_dir) / "token-cache")
@@ -252,7 +253,18 @@ def train_stream(cfg, run_dir, streams=None) -> np.ndarray:
     path = _resolve(extra)
     if not Path(path).is_file():
         raise FileNotFoundError(f"extra_train {path}: no such token stream (make it with python -m train.continuations)")
-    return np.concatenate([streams.train, np.load(path).astype(streams.train.dtype)])
+    extra = np.tile(np.load(path).astype(streams.train.dtype), getattr(cfg, "extra_repeat", 1))
+    return np.concatenate([streams.train, extra])
+
+
+def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int, ...] | None]:
+    """(ranking of all V tokens by count in the training stream, the first `cfg.draft_vocab` of it) for
+    a config with a reduced draft vocabulary (EAGLE-3's d2t); (None, None) without one."""
+    if not getattr(cfg, "draft_vocab", None):
+        return None, None
+    from specjax.drafters import vocab as vocab_lib
+    ranking = vocab_lib.token_ranking(stream, load_model(str(target_dir)).config.vocab_size)
+    return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])
 
 
 def train_info(cfg, ident: dict, record: dict) -> dict:

@@ -108,10 +108,8 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
     target_dir = str(_resolve(cfg.target))
-    ranking = None
-    if cfg.draft_vocab is not None:  # the N most frequent tokens of the training stream
-        ranking = vocab_lib.token_ranking(drafter_run.train_stream(cfg, run_dir), load_model(target_dir).config.vocab_size)
-    ids = None if ranking is None else tuple(int(i) for i in ranking[:cfg.draft_vocab])
+    ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
+                    if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens of the stream
     _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
 
     def save(params, d):

@@ -168,17 +168,21 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
-def _feature_extras(cfg: dict) -> str:
+def _feature_extras(cfg: dict, block: bool = False) -> str:
     """The card's sections on a reduced draft vocabulary and on extra training data (the target's own
-    continuations), where the config has them."""
+    continuations), where the config has them (`block`: a block drafter's vocabulary, fixed at training)."""
     out = ""
     if cfg.get("draft_vocab"):
+        n = f"{cfg['draft_vocab']:,}"
+        choice = (f"Its Markov head is sized for them ({n} output columns, {n} + 1 input rows: one for every token\n"
+                  f"outside), so N is fixed at training; the export ships the ranking (`token_ranking.safetensors`),\n"
+                  f"whose first {n} are the ids." if block else
+                  f"The export\nships the ranking of every token (`token_ranking.safetensors`), so any N up to {n} is chosen at\n"
+                  f"load time: `load_drafter(..., draft_vocab=N)`, `--draft-vocab N`.")
         out += f"""
 ## Reduced draft vocabulary
-Trained on the {cfg['draft_vocab']:,} most frequent target tokens of its training stream (EAGLE-3's d2t: the
-head scores only their LM-head rows; the target's distribution renormalised over them). The export
-ships the ranking of every token (`token_ranking.safetensors`), so any N up to {cfg['draft_vocab']:,} is chosen at
-load time: `load_drafter(..., draft_vocab=N)`, `--draft-vocab N`. q is zero outside: lossless.
+Trained on the {n} most frequent target tokens of its training stream (EAGLE-3's d2t: the
+head scores only their LM-head rows; the target's distribution renormalised over them). {choice} q is zero outside: lossless.
 """
     if cfg.get("extra_train"):
         summary = _resolve(cfg["extra_train"]).with_suffix(".json")
@@ -190,10 +194,12 @@ load time: `load_drafter(..., draft_vocab=N)`, `--draft-vocab N`. q is zero outs
                     f"tokens with their prompts")
         else:
             what = "its greedy continuations of train-split prompts"
+        times = cfg.get("extra_repeat", 1)
+        share = f", repeated {times} times (oversampled)" if times > 1 else ""
         out += f"""
 ## Training data
 The corpus's train split in the target's tokenization, plus the target's own continuations
-(`{cfg['extra_train']}`, `python -m train.continuations`): {what}.
+(`{cfg['extra_train']}`, `python -m train.continuations`): {what}{share}.
 """
     return out
 
@@ -336,10 +342,10 @@ conditioned on the data, not on the draft; `tools/bench.py` measures the real τ
 | ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
 
 Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
-{reader_text}{calib_text}
+{reader_text}{calib_text}{_feature_extras(cfg, block=True)}
 ## Reproduce
 ```
-{command}{calib_cmd}
+{_feature_prereqs(cfg)}{command}{calib_cmd}
 python -m train.model_card --model models/{model_dir.name}
 ```
 """

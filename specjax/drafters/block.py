@@ -104,7 +104,7 @@ from flax import nnx
 
 from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
 from specjax.taps import PathCalibration, budget_keep, tree_widths
-from specjax.drafters import heads
+from specjax.drafters import heads, vocab as vocab_lib
 from specjax.drafters.base import SAMPLED_RULES, Committed, DraftContext, Proposal
 from specjax.kvcache import KVCache
 from specjax.models import transformer
@@ -142,8 +142,14 @@ class BlockConfig:
     # DPara (design §5d): the next round's block precomputed for every acceptance boundary while the
     # target verifies; the draft tokens enter the context as token embeddings through `token_proj`
     boundary: bool = False
+    # EAGLE-3's reduced draft vocabulary (`specjax.drafters.vocab`): N > 0 scores the N most frequent target
+    # tokens of the training stream (the drafter's token ranking) in the base logits and the Markov head
+    # (W1 gets one more row, for every token outside); q is zero elsewhere. Fixed at training. 0: all V.
+    draft_vocab: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(f"draft_vocab must be in 0..{self.vocab_size} (0: the full vocabulary), got {self.draft_vocab}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.markov_rank < 0:
@@ -190,7 +196,7 @@ class BlockConfig:
     @classmethod
     def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
                    target_layers=None, intermediate_size=None, state_layers=(), reader_rank=8, reader_out_rank=64,
-                   reader_layer=1, ar_intermediate=0, boundary=False) -> "BlockConfig":
+                   reader_layer=1, ar_intermediate=0, boundary=False, draft_vocab=0) -> "BlockConfig":
         """`state_layers`: () for DSpark / DFlash; target layer indices of Gated DeltaNet layers, or
         "all" (every one), for ReaDy (a hybrid target only)."""
         L = target_cfg.num_layers
@@ -217,7 +223,7 @@ class BlockConfig:
                    markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
                    rms_norm_eps=target_cfg.rms_norm_eps, state_layers=tuple(state_layers), state_shape=state_shape,
                    reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer,
-                   ar_intermediate=ar_intermediate, boundary=boundary)
+                   ar_intermediate=ar_intermediate, boundary=boundary, draft_vocab=draft_vocab or 0)
 
 
 class BlockLayer(nnx.Module):
@@ -268,19 +274,31 @@ class ARHead(nnx.Module):
 
 
 class BlockHead(nnx.Module):
-    """The trainable part of the drafter (the target's embedding and LM head are borrowed)."""
+    """The trainable part of the drafter (the target's embedding and LM head are borrowed).
+    `draft_ids`: the draft vocabulary's token ids [N] when `cfg.draft_vocab` = N > 0 (constants, not
+    trained: `vocab_ids` and `vocab_index`, each token's row or N outside)."""
 
-    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, dtype=jnp.float32, draft_ids=None):
         E, r = cfg.hidden_size, cfg.markov_rank
         self.config = cfg
+        if cfg.draft_vocab:
+            if draft_ids is None or len(draft_ids) != cfg.draft_vocab:
+                raise ValueError(f"this block drafter scores a draft vocabulary of {cfg.draft_vocab} tokens: pass "
+                                 f"their ids (draft_ids), got {None if draft_ids is None else len(draft_ids)}")
+            self.set_draft_vocab(draft_ids)
+        elif draft_ids is not None:
+            raise ValueError("draft_ids go with a config's draft_vocab > 0")
+        else:
+            self.vocab_ids = self.vocab_index = None
+        n_in, n_out = (cfg.draft_vocab + 1, cfg.draft_vocab) if cfg.draft_vocab else (cfg.vocab_size, cfg.vocab_size)
         self.fc = Linear(len(cfg.target_layers) * E, E, bias=False, rngs=rngs, dtype=dtype)
         self.context_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (E,), dtype))
         self.layers = nnx.List([BlockLayer(cfg, rngs, dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         if r > 0:
-            self.markov_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype))
-            self.markov_out = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))  # W2 = 0: starts at b_k
+            self.markov_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (n_in, r), dtype))
+            self.markov_out = nnx.Param(jnp.zeros((r, n_out), dtype))  # W2 = 0: starts at b_k
         else:
             self.markov_embed = self.markov_out = None
         if cfg.confidence:
@@ -295,6 +313,12 @@ class BlockHead(nnx.Module):
             self.token_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         else:
             self.token_proj = self.token_norm = None
+
+    def set_draft_vocab(self, draft_ids) -> None:
+        """The draft vocabulary's constants: its ids [N] and each token's row (N outside) [V]."""
+        ids = vocab_lib.check_ids(draft_ids, self.config.vocab_size)
+        self.vocab_ids = vocab_lib.DraftVocab(jnp.asarray(ids))
+        self.vocab_index = vocab_lib.DraftVocab(vocab_lib.index_of(ids, self.config.vocab_size))
 
 
 # ----------------------------------------------------------------------------- layer functions
@@ -400,18 +424,36 @@ def state_injector(head: BlockHead, states_LxBxAxHxKxV, A: int):
 
 
 def markov_embed(head: BlockHead, prev_xB):
-    """W1[x_{k-1}] [..., r] (None for DFlash)."""
-    return None if head.markov_embed is None else head.markov_embed[...][prev_xB]
+    """W1[x_{k-1}] [..., r] (None for DFlash; with a draft vocabulary, a token outside it reads row N)."""
+    if head.markov_embed is None:
+        return None
+    row = prev_xB if head.vocab_index is None else head.vocab_index[...][prev_xB]
+    return head.markov_embed[...][row]
 
 
-def position_logits(head: BlockHead, base_xV, m_xR):
-    """The Markov head: b_k + W2(W1[x_{k-1}]) (b_k alone for DFlash)."""
-    if m_xR is None:
-        return base_xV
-    return base_xV + (m_xR @ head.markov_out[...]).astype(jnp.float32)
+def base_logits(head: BlockHead, target, h_xE):
+    """b_k: the target's LM head on the block's final hidden states, over the draft vocabulary when
+    the drafter has one ([..., N]: only those N rows are computed), else [..., V]."""
+    if head.vocab_ids is None:
+        return transformer.lm_head(target, h_xE)
+    return (h_xE @ vocab_lib.head_rows(target, head.vocab_ids[...]).T).astype(jnp.float32)
 
 
-def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x):
+def widen(head: BlockHead, logits_xN):
+    """Draft-vocabulary logits placed in the full vocabulary (-inf elsewhere: q is zero there)."""
+    if head.vocab_ids is None:
+        return logits_xN
+    return vocab_lib.widen(logits_xN, head.vocab_ids[...], head.config.vocab_size)
+
+
+def position_logits(head: BlockHead, base_xN, m_xR, wide: bool = True):
+    """The Markov head: b_k + W2(W1[x_{k-1}]) (b_k alone for DFlash), over the full vocabulary
+    (`wide`), or over the draft vocabulary's N as `base` is (training's loss)."""
+    logits = base_xN if m_xR is None else base_xN + (m_xR @ head.markov_out[...]).astype(jnp.float32)
+    return widen(head, logits) if wide else logits
+
+
+def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x, wide: bool = True):
     """TreeFlash's conditional logits at block positions whose previous token is `prev` (any leading
     shape, `pre` / `h` broadcast to it): lm_head(norm(pre + D(silu(G) * U))) + the Markov term."""
     ar = head.ar_head
@@ -419,7 +461,7 @@ def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x):
     h = jnp.broadcast_to(h_xE, e.shape)
     u, g = jnp.split(linear(ar.up_gate, jnp.concatenate([e, h], axis=-1)), 2, axis=-1)
     x = jnp.broadcast_to(pre_xE, e.shape) + linear(ar.down, jax.nn.silu(g) * u)
-    return position_logits(head, transformer.lm_head(target, rms_norm(head.norm, x)), markov_embed(head, prev_x))
+    return position_logits(head, base_logits(head, target, rms_norm(head.norm, x)), markov_embed(head, prev_x), wide)
 
 
 def row_logits(head: BlockHead, target, base_xV, pre_xE, h_xE, prev_x):
@@ -438,7 +480,7 @@ def confidence_logit(head: BlockHead, h_xE, m_xR):
 
 
 class TrainPass(NamedTuple):
-    logits: Any  # [B, A, W, V] the Markov head's (teacher-forced)
+    logits: Any  # [B, A, W, V] the Markov head's (teacher-forced); N, not V, with a draft vocabulary (all four)
     conf: Any  # [B, A, W] confidence logits, or None
     hidden: Any  # [B, A, W, E] after the final norm
     base: Any  # [B, A, W, V] b_k
@@ -447,7 +489,7 @@ class TrainPass(NamedTuple):
 
 
 class BlockPass(NamedTuple):
-    base: Any  # [B, W, V] base logits b_k
+    base: Any  # [B, W, V] base logits b_k ([B, W, N] with a draft vocabulary: `position_logits` widens)
     hidden: Any  # [B, W, E] after the final norm
     cache: Any  # the drafter's cache with the block's K/V in its scratch slots
     pre: Any  # [B, W, E] before the final norm (TreeFlash's head reads it)
@@ -499,13 +541,13 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
         raise ValueError("a state-reading block drafter (ReaDy) trains on the target's states at the anchors")
     h, pre = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
                       pos_BxAxW.reshape(B, Q), attend, state_injector(head, states_LxBxAxHxKxV, A))
-    base = transformer.lm_head(target, h).reshape(B, A, W, -1)
+    base = base_logits(head, target, h).reshape(B, A, W, -1)
     h = h.reshape(B, A, W, -1)
     prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, Q), axis=1).reshape(B, A, W)
     m = markov_embed(head, prev)
-    logits = position_logits(head, base, m)
+    logits = position_logits(head, base, m, wide=False)
     conf = confidence_logit(head, h, m) if cfg.confidence else None
-    ar = None if head.ar_head is None else ar_logits(head, target, pre.reshape(B, A, W, -1), h, prev)
+    ar = None if head.ar_head is None else ar_logits(head, target, pre.reshape(B, A, W, -1), h, prev, wide=False)
     return TrainPass(logits, conf, h, base, ar, pre.reshape(B, A, W, -1))
 
 
@@ -816,7 +858,7 @@ class BlockDrafter(heads.HeadDrafter):
         if state.block is None:
             raise ValueError("this DPara drafter's state holds no block: make it with this drafter's init")
         h = rms_norm(self.head.norm, state.block)
-        base = None if self.head.config.ar_drafts else transformer.lm_head(self.target, h)  # the AR head makes its own
+        base = None if self.head.config.ar_drafts else base_logits(self.head, self.target, h)  # the AR head makes its own
         return BlockPass(base, h, state.cache, state.block)
 
     def draft_block(self, state: BlockState, root_B):
@@ -838,7 +880,7 @@ class BlockDrafter(heads.HeadDrafter):
             raise ValueError("this ReaDy drafter's state holds no target state: make it with this drafter's init")
         inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
         h, pre = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
-        return BlockPass(transformer.lm_head(self.target, h), h, cache, pre)
+        return BlockPass(base_logits(self.head, self.target, h), h, cache, pre)
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
         prop = self._draft(state, self.block_pass(state, root_B), root_B, ctx)
@@ -1171,8 +1213,10 @@ def read_config(path: str) -> BlockConfig:
 
 def load_block_head(path: str, dtype=jnp.float32) -> BlockHead:
     """A block drafter head; a TreeFlash head stored on a backbone (`save_block_head(backbone=)`)
-    reads the backbone's parameters from there, refused when its weights' digest moved."""
+    reads the backbone's parameters from there, refused when its weights' digest moved. A draft
+    vocabulary's ids are the first N of the directory's token ranking."""
     cfg = read_config(path)
+    ids = vocab_lib.draft_ids(path, cfg.vocab_size, cfg.draft_vocab) if cfg.draft_vocab else None
     bdir = backbone_dir(path)
     also = ()
     if bdir is not None:
@@ -1185,4 +1229,7 @@ def load_block_head(path: str, dtype=jnp.float32) -> BlockHead:
             raise ValueError(f"{path}: its backbone {bdir} holds other weights than it was trained on "
                              f"({pinned[:12]}…): retrain the TreeFlash head (python -m train.block)")
         also = (bdir,)
-    return heads.load_params(nnx.eval_shape(lambda: BlockHead(cfg, nnx.Rngs(0), dtype)), path, dtype, also=also)
+    head = heads.load_params(nnx.eval_shape(lambda: BlockHead(cfg, nnx.Rngs(0), dtype, ids)), path, dtype, also=also)
+    if ids is not None:  # constants: made concrete again (eval_shape left them abstract)
+        head.set_draft_vocab(ids)
+    return head

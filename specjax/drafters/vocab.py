@@ -65,11 +65,21 @@ def head_rows(target, ids) -> jnp.ndarray:
     return jnp.take(target.lm_head.weight[...], ids, axis=1).T
 
 
+def widen(sub_xN, ids_N, vocab_size: int):
+    """Logits over the draft vocabulary [..., N] placed in the full vocabulary [..., V] (f32), -inf elsewhere."""
+    full = jnp.full(sub_xN.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids_N].set(sub_xN.astype(jnp.float32))
+
+
 def logits(h_BxTxE, ids_N, rows_NxE, vocab_size: int):
     """Logits [B, T, V] (f32): the head's over the draft vocabulary, -inf elsewhere."""
-    sub = (h_BxTxE @ rows_NxE.T).astype(jnp.float32)  # [B, T, N]
-    full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., ids_N].set(sub)
+    return widen(h_BxTxE @ rows_NxE.T, ids_N, vocab_size)
+
+
+def index_of(ids_N, vocab_size: int):
+    """Each token's row in the draft vocabulary, N for a token outside it: int32 [V]."""
+    ids = jnp.asarray(ids_N, jnp.int32)
+    return jnp.full((vocab_size,), ids.shape[0], jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
 
 
 def draft_vocab_vars(target, draft_vocab, vocab_size: int):
@@ -77,8 +87,14 @@ def draft_vocab_vars(target, draft_vocab, vocab_size: int):
     LM head's rows [N, E]), checked; (None, None) for the full vocabulary (`draft_vocab` None)."""
     if draft_vocab is None:
         return None, None
+    ids = check_ids(draft_vocab, vocab_size)
+    return DraftVocab(jnp.asarray(ids, jnp.int32)), DraftVocab(head_rows(target, ids))
+
+
+def check_ids(draft_vocab, vocab_size: int) -> np.ndarray:
+    """The draft vocabulary's token ids as int32 [N]; ValueError unless they are distinct ids of the vocabulary."""
     ids = np.asarray(draft_vocab)
     V = vocab_size
     if ids.ndim != 1 or not 1 <= ids.size <= V or ids.min() < 0 or ids.max() >= V or np.unique(ids).size != ids.size:
         raise ValueError(f"draft vocabulary: expected distinct token ids in 0..{V - 1}, got shape {ids.shape}")
-    return DraftVocab(jnp.asarray(ids, jnp.int32)), DraftVocab(head_rows(target, ids))
+    return ids.astype(np.int32)
