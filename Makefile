@@ -18,7 +18,7 @@ test: install
 	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal --durations=15 tests
 
 demo: install
-	$(BIN)/python tools/demo.py
+	$(BIN)/python -m tools.demo
 
 # Reproduces the zoo (hours on a 2-core CPU; resumable: rerun the same command to continue).
 models: install

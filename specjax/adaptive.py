@@ -61,7 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import SAMPLED_RULES, Committed, DraftContext, Drafter, Proposal
+from specjax import widths as widths_lib
+from specjax.drafters.base import SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal, StopRule
+from specjax.taps import isotonic, json_freeze, read_json_beside
 from specjax.typing import Array, Float, Int
 
 DEFAULT_DECAY = 0.7  # EMA weight of the past per round (the row's history correction)
@@ -72,7 +74,6 @@ CELLS = DEPTHS * BINS
 SHRINK = 5.0  # pseudo-observations pulling a depth's bin toward the bin's rate over all depths
 PRIOR_WEIGHT = 50.0  # pseudo-observations per bin at most from an offline calibration
 CALIBRATION_FILE = "adaptive_calibration.json"
-EVERY_WIDTH = 9  # trees up to this many nodes compile every verify width
 RHO_RANGE = (0.25, 4.0)  # the history correction is kept within this range
 CALIBRATION_FORMAT = "specjax-adaptive-calibration-v1"
 
@@ -97,7 +98,6 @@ class AcceptanceCalibration:
         """g(q, d) [DEPTHS, BINS]: each depth's bin shrunk toward the bin's rate over all depths
         (itself shrunk toward g = q: one pseudo-observation at the bin's centre), then made
         non-decreasing in q per depth (weighted isotonic fit, `taps.isotonic`)."""
-        from specjax.taps import isotonic
         n = np.asarray(self.seen, np.float64).reshape(DEPTHS, BINS)
         h = np.asarray(self.hits, np.float64).reshape(DEPTHS, BINS)
         centres = (np.arange(BINS) + 0.5) / BINS
@@ -125,7 +125,6 @@ class AcceptanceCalibration:
             hits = tuple(float(x) for x in np.asarray(raw["hits"], np.float64).reshape(-1))
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}: seen / hits must be {DEPTHS} x {BINS} numbers each") from None
-        from specjax.taps import json_freeze
         info = tuple((k, json_freeze(v)) for k, v in raw.items()
                      if k not in ("format", "depths", "bins", "seen", "hits", "rate"))
         return cls(seen, hits, info)
@@ -133,18 +132,8 @@ class AcceptanceCalibration:
 
 def read_calibration(drafter_dir: str) -> AcceptanceCalibration | None:
     """`adaptive_calibration.json` in the drafter's directory, or None when it has none."""
-    from specjax.taps import read_json_beside
     raw, file = read_json_beside(drafter_dir, CALIBRATION_FILE)
     return None if raw is None else AcceptanceCalibration.from_json(raw, file)
-
-
-def adaptive_widths(num_nodes: int) -> tuple[int, ...]:
-    """Compiled verify widths of an adaptive tree of `num_nodes` nodes: every width up to
-    `EVERY_WIDTH` nodes (a chain's depth is chosen exactly), else 1 (no speculation), 2, 3, 5, 9,
-    17, 33 below N, and N."""
-    if num_nodes <= EVERY_WIDTH:
-        return tuple(range(1, num_nodes + 1))
-    return tuple(w for w in (1, 2, 3, 5, 9, 17, 33) if w < num_nodes) + (num_nodes,)
 
 
 @jax.tree_util.register_dataclass
@@ -182,18 +171,6 @@ def order_by_score(tree: tree_lib.TreeBuffers, probs=None, rank=None):
     return out, probs, perm
 
 
-def choose_width(est_BxN, valid_BxN, active_B, costs_W, widths: tuple[int, ...]):
-    """The compiled width maximising expected tokens per second: node i < w of a row (in score
-    order) is accepted with probability est_{b,i}; every active row adds a bonus token. Returns the
-    width (int32 scalar; the smallest on ties)."""
-    N = est_BxN.shape[1]
-    live = valid_BxN & active_B[:, None] & (jnp.arange(N)[None] > 0)
-    gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(jnp.where(live, est_BxN, 0.0), axis=0))])
-    ws = jnp.asarray(widths, jnp.int32)
-    bonus = jnp.maximum(jnp.sum(active_B), 1).astype(jnp.float32)
-    return ws[jnp.argmax((bonus + gain[ws]) / jnp.asarray(costs_W, jnp.float32))]
-
-
 def accepted_nodes(tree: tree_lib.TreeBuffers, committed: Committed):
     """(on_path, observed) [B, N]: the kept nodes on the accepted path (root included), and the kept
     non-root nodes whose parent is on it (those whose acceptance this round tells something)."""
@@ -216,10 +193,10 @@ def _empty_tree(B: int, N: int) -> tree_lib.TreeBuffers:
                                 score=jnp.zeros((B, N), jnp.float32), source=jnp.zeros((B, N), jnp.int8))
 
 
-class AdaptiveShape(Drafter):
+class AdaptiveShape(Composite):
     """`AdaptiveShape(drafter, costs)`: the drafter's tree, verified each round at the width that
     pays most (see the module docstring). `costs`: round seconds at each of `widths` (default
-    `adaptive_widths(N)` of the tree), from `tools/profile_widths.py --adaptive` on this machine
+    `widths.adaptive_widths(N)` of the tree), from `tools/profile_widths.py --adaptive` on this machine
     and batch size; `decay`: the history EMA's weight of the past; `calibration`: the offline
     acceptance counts (`AcceptanceCalibration`; None: g = q until observed); `calibration_decay`:
     the weight of the past per round of this generation's counts (1: no decay, what a fit uses);
@@ -227,6 +204,7 @@ class AdaptiveShape(Drafter):
     draft_s / depth), which lets the chain stop early (None: draft it whole)."""
     name = "adaptive"
     gives_q = True
+    PARTS = ("inner",)
 
     def __init__(self, inner: Drafter, costs, *, widths: tuple[int, ...] | None = None, decay: float = DEFAULT_DECAY,
                  calibration: AcceptanceCalibration | None = None, calibration_decay: float = CALIBRATION_DECAY,
@@ -263,34 +241,9 @@ class AdaptiveShape(Drafter):
             raise ValueError(f"draft_step_s must be seconds >= 0, got {draft_step_s}")
         self.draft_step_s = None if draft_step_s is None else float(draft_step_s)
 
-    # -- what the inner drafter is
-
-    @property
-    def vocab_size(self):
-        return self.inner.vocab_size
-
-    @property
-    def target_layers(self) -> tuple[int, ...]:
-        return tuple(self.inner.target_layers)
-
-    @property
-    def reads_target_state(self) -> bool:
-        return self.inner.reads_target_state
-
-    @property
-    def default_tree(self) -> str:
-        return self.inner.default_tree
-
-    def resolve_tree(self, spec):
-        return self.inner.resolve_tree(spec)
-
-    def validate(self, capacity: int) -> None:
-        self.inner.validate(capacity)
-
-    def with_fold(self, cfg) -> "AdaptiveShape":
-        return AdaptiveShape(self.inner.with_fold(cfg), self.costs, widths=self.widths, decay=self.decay,
-                             calibration=self.calibration_prior, calibration_decay=self.calibration_decay,
-                             draft_step_s=self.draft_step_s)
+    def rebuild(self, inner: Drafter) -> "AdaptiveShape":
+        return AdaptiveShape(inner, self.costs, widths=self.widths, decay=self.decay, calibration=self.calibration_prior,
+                             calibration_decay=self.calibration_decay, draft_step_s=self.draft_step_s)
 
     def check_tree(self, spec, rule: str) -> int:
         if rule in SAMPLED_RULES:
@@ -308,10 +261,7 @@ class AdaptiveShape(Drafter):
         return scratch
 
     def verify_widths(self, spec) -> tuple[int, ...]:
-        widths = self.widths or adaptive_widths(spec.num_nodes)
-        if widths[-1] != spec.num_nodes:
-            raise ValueError(f"verify widths {widths} must end at the tree's {spec.num_nodes} nodes")
-        return widths
+        return widths_lib.check_widths(self.widths or widths_lib.adaptive_widths(spec.num_nodes), spec.num_nodes)
 
     # -- the protocol
 
@@ -350,8 +300,8 @@ class AdaptiveShape(Drafter):
 
     def cuts_drafting(self, spec) -> bool:
         """Does the chain stop early (a depth-by-depth drafter's chain of depth >= 3, draft_step_s given)?"""
-        return (self.draft_step_s is not None and self.inner.stops_early and isinstance(spec, tree_lib.StaticTree)
-                and spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= tree_lib.LOOP_MIN_DEPTH)
+        return (self.draft_step_s is not None and self.inner.stops_early and tree_lib.is_chain(spec)
+                and spec.max_depth >= tree_lib.LOOP_MIN_DEPTH)
 
     def _round_costs(self, spec):
         """[D + 1]: seconds of a round drafting d = 0..D tokens of the chain and verifying them (+
@@ -361,32 +311,9 @@ class AdaptiveShape(Drafter):
         return jnp.asarray([self.costs[int(np.searchsorted(ws, d + 1))] - (D - d) * step for d in range(D + 1)],
                            jnp.float32)
 
-    def _stop(self, state: AdaptiveState, ctx: DraftContext):
+    def _stop(self, state: AdaptiveState, ctx: DraftContext) -> "ChainStop":
         """`DraftContext.stop` for a chain: stop after d tokens unless one more raises expected tokens / s."""
-        cost_D = self._round_costs(ctx.spec)
-        D = ctx.spec.max_depth
-
-        def stop(d, score_BxN):
-            B, N = score_BxN.shape
-            active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
-            idx = jnp.arange(N)[None]
-            real = jnp.isfinite(score_BxN) & (idx > 0)
-            prev = jnp.concatenate([jnp.zeros((B, 1)), score_BxN[:, :-1]], axis=1)
-            step_q = jnp.exp(jnp.minimum(jnp.where(real, score_BxN - prev, 0.0), 0.0))
-            cell = jnp.clip(idx - 1, 0, DEPTHS - 1) * BINS + jnp.clip(jnp.floor(step_q * BINS).astype(jnp.int32), 0, BINS - 1)
-            est = jnp.where(real, jnp.exp(jnp.cumsum(self.step_log_estimates(state, cell, real), axis=1)), 0.0)
-            act = active.astype(jnp.float32)
-            tokens = jnp.sum(act * (1.0 + jnp.sum(est, axis=1)))
-            last = jnp.take_along_axis(est, jnp.broadcast_to(d, (B, 1)), axis=1)[:, 0]  # the newest token's
-            before = jnp.where(d > 1, jnp.take_along_axis(est, jnp.broadcast_to(d - 1, (B, 1)), axis=1)[:, 0], 1.0)
-            ratio = jnp.clip(last / jnp.maximum(before, 1e-6), 0.0, 1.0)  # the newest step's conditional estimate
-            k = jnp.arange(1, D + 1, dtype=jnp.float32)  # tokens beyond the newest: 1 .. D
-            more_K = jnp.sum(act[:, None] * last[:, None] * ratio[:, None] ** k[None], axis=0)
-            gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(more_K)])  # gain[j]: j more tokens
-            ahead = jnp.arange(D + 1) - d  # tokens more if the chain stops at d' = 0..D
-            best = jnp.max(jnp.where(ahead > 0, (tokens + gain[jnp.clip(ahead, 0, D)]) / cost_D, -jnp.inf))
-            return best <= tokens / cost_D[d]
-        return stop
+        return ChainStop(self, state, ctx.active, self._round_costs(ctx.spec), ctx.spec.max_depth)
 
     def propose(self, state: AdaptiveState, root_B, ctx: DraftContext) -> Proposal:
         cut = self.cuts_drafting(ctx.spec)
@@ -413,8 +340,8 @@ class AdaptiveShape(Drafter):
         if cut:  # the steps the chain did not draft are not paid for, at any width
             drafted = jnp.max(jnp.sum(tree.valid, axis=1)) - 1
             costs = costs - (D - drafted) * self.draft_step_s
-        width = choose_width(est, tree.valid, active, costs, self.verify_widths(ctx.spec))
-        valid = tree.valid & (jnp.arange(N)[None] < width)
+        width = widths_lib.choose_width(est, tree.valid, active, costs, self.verify_widths(ctx.spec))
+        valid = widths_lib.keep_below(tree.valid, width)
         tree = dataclasses.replace(tree, valid=valid)
         act = active.astype(jnp.int32)
         kept = jnp.sum(valid[:, 1:], axis=1, dtype=jnp.int32)
@@ -445,3 +372,37 @@ class AdaptiveShape(Drafter):
                 # this generation's acceptance counts by (depth, confidence bin) cell (shared by the rows) [B, CELLS]
                 "adaptive_seen": jnp.broadcast_to(state.seen, (B, CELLS)),
                 "adaptive_hits": jnp.broadcast_to(state.hits, (B, CELLS))}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainStop(StopRule):
+    """The adaptive shape's stop rule for a chain drafted depth by depth (`DraftContext.stop`): after
+    d tokens the chain stops unless drafting one more raises the expected tokens per second, the
+    tokens not yet drafted estimated from the newest one's (each the newest step's conditional
+    estimate times the one before). `cost_D` [D + 1]: a round's seconds drafting d = 0..D tokens."""
+    shape: AdaptiveShape
+    state: AdaptiveState
+    active_B: Any
+    cost_D: Any
+    depth: int
+
+    def __call__(self, d, score_BxN):
+        B, N = score_BxN.shape
+        active = jnp.ones((B,), bool) if self.active_B is None else self.active_B
+        idx = jnp.arange(N)[None]
+        real = jnp.isfinite(score_BxN) & (idx > 0)
+        prev = jnp.concatenate([jnp.zeros((B, 1)), score_BxN[:, :-1]], axis=1)
+        step_q = jnp.exp(jnp.minimum(jnp.where(real, score_BxN - prev, 0.0), 0.0))
+        cell = jnp.clip(idx - 1, 0, DEPTHS - 1) * BINS + jnp.clip(jnp.floor(step_q * BINS).astype(jnp.int32), 0, BINS - 1)
+        est = jnp.where(real, jnp.exp(jnp.cumsum(self.shape.step_log_estimates(self.state, cell, real), axis=1)), 0.0)
+        act = active.astype(jnp.float32)
+        tokens = jnp.sum(act * (1.0 + jnp.sum(est, axis=1)))
+        last = jnp.take_along_axis(est, jnp.broadcast_to(d, (B, 1)), axis=1)[:, 0]  # the newest token's
+        before = jnp.where(d > 1, jnp.take_along_axis(est, jnp.broadcast_to(d - 1, (B, 1)), axis=1)[:, 0], 1.0)
+        ratio = jnp.clip(last / jnp.maximum(before, 1e-6), 0.0, 1.0)  # the newest step's conditional estimate
+        k = jnp.arange(1, self.depth + 1, dtype=jnp.float32)  # tokens beyond the newest: 1 .. D
+        more_K = jnp.sum(act[:, None] * last[:, None] * ratio[:, None] ** k[None], axis=0)
+        gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(more_K)])  # gain[j]: j more tokens
+        ahead = jnp.arange(self.depth + 1) - d  # tokens more if the chain stops at d' = 0..D
+        best = jnp.max(jnp.where(ahead > 0, (tokens + gain[jnp.clip(ahead, 0, self.depth)]) / self.cost_D, -jnp.inf))
+        return best <= tokens / self.cost_D[d]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import ops  # only models that select a kernel import Pallas
 from specjax import kvcache
 from specjax.kvcache import KVCache
 from specjax.typing import Array, BlockMask, Float, Positions
@@ -131,7 +132,6 @@ class KernelAttention:
     rotates: ClassVar[bool] = False
 
     def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
-        from pallas_kernels import ops  # only models that select a kernel import Pallas
 
         bits_BxTxW = ops.pack_mask(block_mask_BxTxS)  # shared by every layer
 

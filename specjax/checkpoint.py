@@ -6,16 +6,19 @@ tensor of the wrong shape, a corrupt file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import load_file, save, save_file
 from tokenizers import Tokenizer
 
+from specjax.checkpoint_gguf import build_tokenizer, read_gguf, read_metadata
 from specjax.models.config import HybridConfig, ModelConfig, read_config
 from specjax.models.hybrid import HybridModel
 from specjax.models.transformer import Model
@@ -93,7 +96,6 @@ def mtp_tensor_names(cfg: ModelConfig | HybridConfig, num_layers: int) -> dict:
 
 def mtp_num_layers(tensors) -> int:
     """How many MTP layers a checkpoint's tensor names hold (0: none)."""
-    import re
     found = {int(m.group(1)) for n in tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}
     return max(found) + 1 if found else 0
 
@@ -108,9 +110,6 @@ def weights_sha256(path) -> str:
     digest names the weights, not how they are sharded (a resharded export keeps its digest). MTP
     tensors (`mtp.*`) are not the model's: a checkpoint that gains its MTP layer keeps its digest, and
     the drafters trained on it stay valid."""
-    import hashlib
-    from safetensors import safe_open
-    from safetensors.numpy import save
     single = os.path.join(str(path), "model.safetensors")
     if os.path.exists(single):
         with safe_open(single, "numpy") as f:
@@ -192,7 +191,6 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
     """
     if str(path).endswith(".gguf"):
-        from specjax.checkpoint_gguf import read_gguf
         ckpt = read_gguf(str(path))
         cfg = ModelConfig.from_hf(ckpt.config, source=str(path), dtype=dtype)
         return _model_from_tensors(cfg, ckpt.tensors, str(path), dtype)
@@ -239,7 +237,6 @@ def _model_from_tensors(cfg, tensors: dict, where: str, dtype) -> Model | Hybrid
 
 def load_tokenizer(path: str) -> Tokenizer:
     if str(path).endswith(".gguf"):
-        from specjax.checkpoint_gguf import build_tokenizer, read_metadata
         return build_tokenizer(read_metadata(str(path)), source=str(path))
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):

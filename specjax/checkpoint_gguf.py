@@ -25,7 +25,12 @@ import json
 import os
 import shutil
 
+import ml_dtypes
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tqdm import tqdm
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp architecture -> (HF model_type, HF architecture class); the tensor table below covers these.
@@ -124,10 +129,6 @@ def read_metadata(path: str) -> dict:
 
 
 def _reader(path: str):
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ImportError("reading a GGUF file needs the `gguf` package: pip install gguf") from None
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such GGUF file")
     try:
@@ -177,8 +178,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def read_gguf(path: str, *, progress: bool = False) -> GGUFCheckpoint:
     """Reads and dequantizes a GGUF checkpoint (see the module docstring). Errors name the file and
     the problem: not a GGUF, an unsupported architecture, quantization type or tensor."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     reader = _reader(path)
     meta = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
     arch = meta.get("general.architecture")
@@ -189,7 +188,6 @@ def read_gguf(path: str, *, progress: bool = False) -> GGUFCheckpoint:
     tensors = {}
     it = reader.tensors
     if progress:
-        from tqdm import tqdm
         it = tqdm(it, desc=f"dequantizing {os.path.basename(path)}", unit="tensor")
     for t in it:
         if t.name in _TOP:
@@ -232,7 +230,6 @@ def convert_gguf(path: str, out_dir: str, *, dtype: str = "float32", progress: b
     `tokenizer_config.json`) for a GGUF file. `dtype`: "float32" (exact: every dequantized value is
     a float32) or "bfloat16". Written into a temporary sibling and renamed at the end, so an
     interrupted conversion never leaves a directory that looks complete. Returns `out_dir`."""
-    from safetensors.numpy import save_file
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, not {dtype!r}")
     ckpt = read_gguf(path, progress=progress)
@@ -241,7 +238,6 @@ def convert_gguf(path: str, out_dir: str, *, dtype: str = "float32", progress: b
     os.makedirs(tmp)
     tensors = ckpt.tensors
     if dtype == "bfloat16":
-        import ml_dtypes
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -29,7 +29,25 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
+
+from jax import monitoring
+
+import specjax
+from specjax import profile as profile_lib
+from specjax import sampling, sharding, treegraft
+from specjax import tree as tree_lib
+from specjax import widths as widths_lib
+from specjax.adaptive import AdaptiveShape, read_calibration
+from specjax.chat import check_messages, render_chat
+from specjax.checkpoint_gguf import convert_gguf
+from specjax.compile_cache import enable_compilation_cache
+from specjax.drafters import BlockDrafter, block, load_drafter
+from specjax.drafters.block import parse_confidence
+from specjax.fold import FoldConfig
+from specjax.profile import default_profile_name
+from specjax.widths import adaptive_widths, tree_widths
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -147,7 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from specjax.checkpoint_gguf import convert_gguf
     try:
         out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
     except (OSError, ValueError, ImportError) as e:
@@ -182,7 +199,6 @@ def read_prompt_file(path: str) -> list[tuple[str, str | list]]:
                 if "prompt" in obj:
                     raise UsageError(f'{path}:{n}: give "prompt" or "messages", not both')
                 try:
-                    from specjax.chat import check_messages
                     prompts.append((f"{path}:{n}", check_messages(obj["messages"], f"{path}:{n}")))
                 except ValueError as e:
                     raise UsageError(str(e)) from None
@@ -213,7 +229,6 @@ def check_model_dir(path: str) -> None:
 def compile_timer():
     """Yields a dict whose "compile_s" is, on exit, the union of JAX's compile-event time spans
     (trace, lower to MLIR, backend compile) recorded inside the block."""
-    from jax import monitoring
 
     spans: list[tuple[float, float]] = []
 
@@ -245,7 +260,6 @@ def compile_timer():
 # ----------------------------------------------------------------------------- generate
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specjax import sampling
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
@@ -270,8 +284,6 @@ def run_generate(args: argparse.Namespace) -> int:
     fold = fold_config(args)  # a bad --fold is refused before anything loads
     compile_cache(args)  # before the first compile (loading compiles small programs too)
 
-    import specjax
-
     try:
         model = specjax.load_model(args.model)
         tokenizer = specjax.load_tokenizer(args.model)
@@ -280,7 +292,6 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = model.config
     confidence, costs = confidence_args(args, n_prompts=len(sources))
     try:
-        from specjax.drafters import load_drafter
         # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
         drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
                                 target_path=args.model, confidence=confidence, costs=costs,
@@ -289,7 +300,6 @@ def run_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None
     if args.boundaries is not None:
-        from specjax.drafters import BlockDrafter
         if len(drafters) != 1 or not isinstance(drafters[0], BlockDrafter) or not drafters[0].head.config.boundary:
             raise UsageError("--boundaries is a DPara drafter's option: give one DPara --drafter")
         d = drafters[0]
@@ -302,7 +312,6 @@ def run_generate(args: argparse.Namespace) -> int:
         if len(drafters) != 2:
             raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")
         try:
-            from specjax import treegraft
             drafters = [treegraft.build(drafters, args.treegraft, cheap_tree=args.cheap_tree,
                                         graft_nodes=args.graft_nodes)]
         except (OSError, ValueError) as e:
@@ -393,7 +402,6 @@ def run_generate(args: argparse.Namespace) -> int:
 def chat_prompts(args: argparse.Namespace, sources) -> list[str]:
     """The prompt texts: chats ("messages" rows, or every prompt under --chat) rendered with the model's
     chat template (specjax.chat), plain prompts as given."""
-    from specjax.chat import render_chat
     out = []
     for where, src in sources:
         if isinstance(src, str) and not args.chat:
@@ -412,7 +420,6 @@ def compile_cache(args: argparse.Namespace):
     $SPECJAX_COMPILE_CACHE=off; returns the folder or None."""
     if args.no_compile_cache:
         return None
-    from specjax.compile_cache import enable_compilation_cache
     try:
         return enable_compilation_cache(args.compile_cache)
     except ValueError as e:
@@ -429,7 +436,6 @@ def fold_config(args: argparse.Namespace):
         return None
     if not args.drafter:
         raise UsageError("--fold changes a drafter's attention: it needs a --drafter (lm or feature)")
-    from specjax.fold import FoldConfig
     try:
         return FoldConfig.parse(args.fold)
     except ValueError as e:
@@ -442,14 +448,11 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
     conf = args.confidence.strip().lower() if args.confidence else "off"
     taps = None
     if args.tree is not None and "select=taps" in args.tree:
-        from specjax import tree as tree_lib
         try:
             taps = tree_lib.parse_tree_spec(args.tree)
         except ValueError as e:
             raise UsageError(f"--tree {args.tree}: {e}") from None
     if conf == "off" and taps is not None and args.verify_profile is not None:  # TAPS chooses its budget per round
-        from specjax import profile as profile_lib
-        from specjax.taps import tree_widths
         try:
             return "off", profile_lib.costs_at_widths(profile_lib.load_profile(args.verify_profile), n_prompts,
                                                       tree_widths(taps.num_nodes))
@@ -467,7 +470,6 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
     if len(args.drafter) > 1 or args.treegraft is not None:
         raise UsageError("--confidence cuts a single block drafter's draft: not with several drafters or --treegraft")
     if conf != "schedule":
-        from specjax.drafters.block import parse_confidence
         try:
             return parse_confidence(conf), None
         except ValueError as e:
@@ -475,7 +477,6 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
     # 'schedule': the costs need the drafter's verify widths (the default ones of a chain's node
     # count) and a profile; a drafter that is not a block drafter with a confidence head is refused
     # by load_drafter, so look for the profile only for one that is.
-    from specjax.drafters import block
     drafter = args.drafter[0]
     try:
         cfg = block.read_config(drafter)
@@ -483,15 +484,14 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
         return "schedule", None  # not a block drafter: load_drafter says so
     if not cfg.confidence:
         return "schedule", None  # DFlash: load_drafter says it has no confidence head
-    from specjax import profile as profile_lib, tree as tree_lib
     try:
         spec = tree_lib.parse_tree_spec(f"chain={cfg.block_size}" if args.tree is None else args.tree)
     except ValueError as e:
         raise UsageError(f"--tree {args.tree}: {e}") from None
-    if not block.is_chain(spec):
+    if not tree_lib.is_chain(spec):
         raise UsageError(f"--confidence schedule cuts a chain: use --tree chain=k (k <= {cfg.block_size}), "
                          f"not {args.tree}")
-    widths = block.default_widths(spec.num_nodes)
+    widths = widths_lib.chain_widths(spec.num_nodes)
     path = args.verify_profile or find_verify_profile(args.model)
     make = (f"python tools/profile_widths.py --target {args.model} --drafter {drafter} --batch {n_prompts}"
             + (f" --tree {args.tree}" if args.tree is not None else f" --tree chain={cfg.block_size}"))
@@ -509,7 +509,6 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
 
 
 def _parse_conf(conf: str):
-    from specjax.drafters.block import parse_confidence
     try:
         return parse_confidence(conf)
     except ValueError as e:
@@ -518,10 +517,8 @@ def _parse_conf(conf: str):
 
 def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
     """--adaptive: the one drafter wrapped in `AdaptiveShape`, its costs from --verify-profile at the
-    widths of the resolved --tree (`specjax.adaptive.adaptive_widths`), with the drafter directory's
+    widths of the resolved --tree (`specjax.widths.adaptive_widths`), with the drafter directory's
     `adaptive_calibration.json` when it has one."""
-    from specjax import profile as profile_lib, tree as tree_lib
-    from specjax.adaptive import AdaptiveShape, adaptive_widths, read_calibration
     if len(drafters) != 1:
         raise UsageError("--adaptive shapes one drafter's tree: pass exactly one --drafter")
     d = drafters[0]
@@ -551,9 +548,7 @@ def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
 def find_verify_profile(model_path: str) -> str | None:
     """bench/verify_profile_<model dir name>.json in the current directory, else in the specjax
     repository (next to the package); None when neither exists."""
-    from pathlib import Path
 
-    from specjax.profile import default_profile_name
     name = default_profile_name(model_path)
     for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         f = root / "bench" / name
@@ -589,7 +584,6 @@ def mesh_arg(text: str | None):
     """The --mesh flag's mesh (None without it); joins a multi-process run first when its variables are set."""
     if text is None:
         return None
-    from specjax import sharding
     try:
         shape = sharding.parse_mesh_shape(text)
         sharding.initialize_distributed()

@@ -21,6 +21,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
+
 ENV = "SPECJAX_COMPILE_CACHE"
 OFF = ("off", "0", "none", "false", "no")
 
@@ -48,9 +51,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compi
     past `max_bytes` in the folder the least recently used entries are deleted (-1: no limit).
     Calling it again (with this folder or another, also after `disable_compilation_cache`) takes
     effect for the next compile. A folder that cannot be made raises ValueError."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     if min_compile_time_s < 0:
         raise ValueError(f"min_compile_time_s must be >= 0, got {min_compile_time_s}")
     if max_bytes == 0 or max_bytes < -1:
@@ -74,9 +74,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compi
 
 def disable_compilation_cache() -> None:
     """Stop reading and writing the persistent cache in this process."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     jax.config.update("jax_enable_compilation_cache", False)
     jax.config.update("jax_compilation_cache_dir", None)
     cc.reset_cache()

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sampling, sharding, tree as tree_lib, verify as verify_lib
+from specjax import sampling, sharding
+from specjax import tree as tree_lib
+from specjax import verify as verify_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.models import family
 from specjax.models.transformer import Model
@@ -303,16 +305,20 @@ def check_verify_widths(widths, spec) -> tuple[int, ...]:
     return ws
 
 
-def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
-                          temperature, top_k, top_p, seed, capacity, margin=None,
-                          state_budget_bytes=None, mesh=None) -> GenerationResult:
-    if len(drafters) > 1:
-        raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
-                         "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
-    drafter = drafters[0]
-    if not isinstance(drafter, Drafter):
-        raise ValueError(f"a drafter must subclass specjax.drafters.Drafter (the drafter contract), got "
-                         f"{type(drafter).__name__}")
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """The host-side setup of a speculative loop, before tracing (`plan_rounds`)."""
+    spec: Any  # the resolved tree spec
+    rule: str  # the verification rule
+    mode: str  # how the drafter picks children: "topk" | "sample" | "sample_noreplace"
+    delta: float  # the margin rule's delta (0 otherwise)
+    slack: int  # cache slots past prompt + max_new_tokens the rounds write
+
+
+def plan_rounds(model: Model, drafter: Drafter, tree, verify, temperature: float, margin=None) -> RoundPlan:
+    """What every speculative loop checks and decides on the host before tracing: the drafter's
+    vocabulary, its resolved tree, the rule, the drafter's own refusals and the scratch it needs.
+    `generate` and `treegraft.RoundStepper` both start from it."""
     V = model.config.vocab_size
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
@@ -328,6 +334,22 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
         raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
     evaluated = max(spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes, scratch)
     slack = max(spec.num_nodes, evaluated) + spec.max_depth + 2
+    return RoundPlan(spec, rule, mode, delta, slack)
+
+
+def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
+                          temperature, top_k, top_p, seed, capacity, margin=None,
+                          state_budget_bytes=None, mesh=None) -> GenerationResult:
+    if len(drafters) > 1:
+        raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
+                         "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
+    drafter = drafters[0]
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"a drafter must subclass specjax.drafters.Drafter (the drafter contract), got "
+                         f"{type(drafter).__name__}")
+    plan = plan_rounds(model, drafter, tree, verify, temperature, margin)
+    spec, rule, mode, delta, slack = plan.spec, plan.rule, plan.mode, plan.delta, plan.slack
+    V = model.config.vocab_size
     batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack)
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
     drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
@@ -462,8 +484,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
         if layers:  # target features along the accepted path, for feature drafters
             features = jnp.take_along_axis(jnp.concatenate(hidden, axis=-1), vd.path[..., None], axis=1)
         cache = fam.commit(tcache, vd.path, keep_B)
-        committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B,
-                              positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None], features=features,
+        committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B, features=features,
                               target=cache, nodes=vd.path)
         dstate = drafter.commit(prop.state, committed)
     new, out = _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)

@@ -68,10 +68,13 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from pallas_kernels import ops
+from pallas_kernels import reference as ref
+from pallas_kernels.ops import fold_beta
 from specjax import kvcache
 from specjax.attention import rope_inv_freq, rotate
+from specjax.models import transformer
 
 # Segment ids of the far-memory kernel (= pallas_kernels.reference.SEG_*).
 SEG_PAD, SEG_SINK, SEG_LOCAL, SEG_FAR = -1, 0, 1, 2
@@ -188,18 +191,11 @@ def validate(cfg: FoldConfig | None, capacity: int) -> None:
         raise ValueError(f"FOLD sinks ({cfg.sinks}) exceed the drafter's cache capacity ({capacity})")
 
 
-def with_fold(drafter, cfg: FoldConfig | None):
-    """The same drafter (same weights) with FOLD switched on (`cfg`) or off (None): `drafter.with_fold`
-    (ValueError for a drafter without attention)."""
-    return drafter.with_fold(cfg)
-
-
 # ----------------------------------------------------------------------------- the policy
 
 def resolve_impl(cfg: FoldConfig) -> str:
     if cfg.impl is not None:
         return cfg.impl
-    from pallas_kernels import ops
     return "auto" if ops.is_nvidia_gpu() else "reference"
 
 
@@ -209,7 +205,6 @@ def beta(n_far_B, cfg: FoldConfig):
     if cfg.sharpen == 0:
         return jnp.ones_like(n_far)
     if cfg.beta_rule == "log-ratio":
-        from pallas_kernels.ops import fold_beta
         return fold_beta(n_far, cfg.window, cfg.sharpen)
     b = jnp.log(jnp.maximum(n_far, 1.0)) / math.log(cfg.window)
     return jnp.where(n_far > 0, jnp.maximum(1.0, b), 1.0)
@@ -257,7 +252,6 @@ class _Plan(NamedTuple):
 
 
 def _plan(length_B, capacity: int, q_pos_BxT, mask_BxTxS, cfg: FoldConfig, inv_freq) -> _Plan:
-    from pallas_kernels import ops
 
     impl = resolve_impl(cfg)
     S = mask_BxTxS.shape[2]
@@ -270,7 +264,6 @@ def _plan(length_B, capacity: int, q_pos_BxT, mask_BxTxS, cfg: FoldConfig, inv_f
 
 
 def _fold_attend(plan: _Plan, q_BxTxHxD, k_BxCxKxD, v_BxCxKxD):
-    from pallas_kernels import ops
 
     B = q_BxTxHxD.shape[0]
     o_c, lse_c = ops.far_attention(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, plan.q_pos, plan.k_pos, plan.seg, plan.beta,
@@ -351,7 +344,6 @@ def prefill(model, tokens_BxP, lengths_B, cache, hidden_layers=(), *, attention:
     """`transformer.prefill` under FOLD attention: the prompt in chunks of `attention.cfg.chunk`
     tokens, each chunk a causal block (`transformer.forward(..., attention=)`) over the chunks before
     it (committed). Same contract."""
-    from specjax.models import transformer
 
     B, P = tokens_BxP.shape
     c = attention.cfg.chunk
@@ -406,7 +398,6 @@ def _attention_stats(q, k, v, q_pos, k_pos, seg, beta_B, inv, q_rot, k_s_rot, ma
     log-sum-exp from `far_attention_reference`, the scratch part's from `tree_attention_reference`,
     each key's weight exp(logit - lse_total). Returns, per row and query (mean over heads):
     entropy (nats), far_mass (weight on far keys), total (sum of weights: 1 up to rounding)."""
-    from pallas_kernels import reference as ref
 
     B, T, H, D = q.shape
     K = k.shape[2]
@@ -438,47 +429,3 @@ def _attention_stats(q, k, v, q_pos, k_pos, seg, beta_B, inv, q_rot, k_s_rot, ma
     total = jnp.sum(p_c, -1) + jnp.sum(p_s, -1)
     mean = lambda a: jnp.mean(a, axis=(1, 2))  # noqa: E731  -> [B, T]
     return {"entropy": mean(ent), "far_mass": mean(far_mass), "total": mean(total)}
-
-
-def attention_diagnostics(target, drafter, prompts, *, seed: int = 0) -> dict:
-    """Attention entropy and mass on far keys of a FOLD drafter's first draft step (the root
-    query, every layer) after prefilling `prompts` (token-id lists, a ragged batch).
-
-    The drafter must have FOLD on; for the plain drafter's numbers use
-    `FoldConfig(..., fold_positions=False, sharpen=0)`, which computes the plain attention while
-    still labelling the far keys. Returns {"entropy", "far_mass", "total"} (means over rows and
-    layers, floats) and "per_layer" ([layers] lists)."""
-    import numpy as np
-
-    from specjax import engine, tree as tree_lib
-    from specjax.drafters.base import DraftContext
-    from specjax.models import family
-    from specjax.sampling import SamplingParams
-
-    if not drafter.attends or drafter.fold is None:
-        raise ValueError("attention_diagnostics needs a drafter with FOLD on (see its docstring for the plain one)")
-    spec = tree_lib.chain(1)
-    batch = engine.prepare_prompts(prompts, target.config.vocab_size, 1, slack=spec.num_nodes + 3)
-    graphdef, state = nnx.split((target, drafter))
-
-    @jax.jit
-    def run(state, tokens, lengths):
-        tgt, dr = nnx.merge(graphdef, state)
-        fam = family(tgt)
-        B = tokens.shape[0]
-        cache = fam.init_cache(tgt, B, batch.capacity)
-        out = fam.prefill(tgt, tokens, lengths, cache, hidden_layers=tuple(dr.target_layers))
-        root = jnp.argmax(engine.last_logits(out.logits, lengths), -1).astype(jnp.int32)
-        dstate = dr.init(tokens, lengths, batch.capacity, out)
-        ctx = DraftContext(spec, "topk", SamplingParams.make(0.0, 0, 1.0), jax.random.key(seed))
-        with recording() as rec:
-            dr.propose(dstate, root, ctx)
-        return rec
-
-    rec = run(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
-    out = {}
-    for name in ("entropy", "far_mass", "total"):
-        per_layer = [float(np.mean(np.asarray(r[name]))) for r in rec]
-        out[name] = float(np.mean(per_layer))
-        out["per_layer_" + name] = per_layer
-    return out

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from specjax.tree import TreeBuffers
 
@@ -141,7 +143,6 @@ def check_layout(layout: str, names, where: str) -> None:
 def save_scheduler(sched: Scheduler, path: str, *, calibration: float = 0.0, meta: dict | None = None) -> None:
     """`scheduler_config.json` (layout, names, architecture, threshold, calibration offset, meta) +
     `model.safetensors` (the MLP and the input normalisation)."""
-    from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(sched, (nnx.Param, Stat)))
     tensors = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
@@ -155,8 +156,6 @@ def save_scheduler(sched: Scheduler, path: str, *, calibration: float = 0.0, met
 
 def load_scheduler(path: str) -> tuple[Scheduler, float, dict]:
     """(scheduler, calibration offset, meta). Refuses another feature layout with a clear error."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
     cfg_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_file):
         raise ValueError(f"{path}: not a TreeGraft scheduler directory (no {CONFIG_FILE})")

@@ -29,13 +29,18 @@ Multi-process: `initialize_distributed()` calls `jax.distributed.initialize` fro
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specjax import kvcache
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -181,7 +186,6 @@ def batch_partition(tree, batch: int):
     """A default layout for a state pytree of unknown structure (a drafter's): a KV cache as
     `kvcache.partition`, any other array whose leading dimension is the batch over `data`,
     everything else replicated."""
-    from specjax import kvcache
 
     def leaf(x):
         if isinstance(x, kvcache.KVCache):
@@ -234,7 +238,6 @@ def abstract(tree):
 
 def mesh_context(mesh: Mesh | None):
     """`jax.set_mesh(mesh)`, or nothing without one (`constrain` is then a no-op)."""
-    import contextlib
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(check_mesh(mesh))
 
 
@@ -247,7 +250,6 @@ def gather(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 

@@ -2,8 +2,8 @@
 estimates g(q, depth) multiplied along each path, and the verify budget chosen per round.
 
 A best-first tree (`tree.best_first`) ranked by sum log g comes out in pop order, so any prefix of
-its nodes is the prefix-closed subtree of highest estimated acceptance; `budget_keep` picks, per
-round, the compiled verify width (`tree_widths`, design §3b) that maximises expected tokens per
+its nodes is the prefix-closed subtree of highest estimated acceptance; `widths.budget_keep` picks,
+per round, the compiled verify width (`widths.tree_widths`, design §3b) that maximises expected tokens per
 second from the machine's profiled cost table, as the DSpark scheduler does for chains.
 `PathCalibration` holds g per row kind (fitted by `train.path_calibration` on greedy validation
 rounds with `fit_path_calibration`; stored as `path_calibration.json` beside the drafter).
@@ -21,28 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.tree import ROW_KINDS
-
-
-def budget_keep(key_BxN, valid_BxN, active_B, costs_W, widths: tuple[int, ...]):
-    """TAPS's verify budget in a static program (design §5e): node i of a best-first tree (pop order:
-    any prefix is a prefix-closed subtree) is accepted with estimated probability exp(key_i) (the
-    calibrated acceptance estimates multiplied along its path), so verifying the first w nodes yields
-    sum_b sum_{0<i<w} exp(key_{b,i}) accepted tokens in expectation plus one bonus token per active
-    row. The compiled width maximising expected tokens / costs[w] wins (the smallest on ties); every
-    row keeps its nodes below it. Returns the new valid mask [B, N]."""
-    N = key_BxN.shape[1]
-    live = valid_BxN & active_B[:, None] & (jnp.arange(N)[None] > 0)
-    p_N = jnp.sum(jnp.where(live, jnp.exp(jnp.minimum(key_BxN, 0.0)), 0.0), axis=0)
-    gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(p_N)])  # gain[j]: nodes < j
-    ws = jnp.asarray(widths)
-    bonus = jnp.maximum(jnp.sum(active_B), 1).astype(jnp.float32)
-    width = ws[jnp.argmax((bonus + gain[ws]) / jnp.asarray(costs_W, jnp.float32))]
-    return valid_BxN & (jnp.arange(N)[None] < width)
-
-
-def tree_widths(num_nodes: int) -> tuple[int, ...]:
-    """Compiled verify widths for a best-first tree whose budget is chosen per round: 2, 4, 8, 16 ... below N, and N."""
-    return tuple(w for w in (2, 4, 8, 16, 32, 64) if w < num_nodes) + (num_nodes,)
 
 
 @dataclasses.dataclass(frozen=True)

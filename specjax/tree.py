@@ -256,6 +256,11 @@ def chain(depth: int) -> StaticTree:
     return StaticTree(tuple(tuple([0] * d) for d in range(1, depth + 1)))
 
 
+def is_chain(spec) -> bool:
+    """A static tree with one node per depth."""
+    return isinstance(spec, StaticTree) and spec.num_nodes == spec.max_depth + 1
+
+
 def parse_tree_spec(spec: str | Sequence | TreeSpec) -> TreeSpec:
     """'chain=5', 'depth=6,topk=8,nodes=32' (dynamic), a JSON path list '[[0],[1],[0,0]]', or a
     best-first tree (block drafters): 'ddtree,nodes=16[,k=8,depth=8,select=logq|taps]' (marginal rows)
@@ -344,7 +349,7 @@ def expand(spec: TreeSpec, root_B, evaluate, state, key, *, mode: str = "topk", 
         raise ValueError("a best-first tree (ddtree / treeflash) is drafted from per-depth tables "
                          "(`tree.best_first`), by a drafter that gives them: a block drafter")
     if isinstance(spec, StaticTree):
-        if stop is not None and spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= LOOP_MIN_DEPTH:
+        if stop is not None and is_chain(spec) and spec.max_depth >= LOOP_MIN_DEPTH:
             return _expand_chain(spec, root_B, evaluate, state, key, mode, source, stop)
         return _expand_static(spec, root_B, evaluate, state, key, mode, source)
     if mode != "topk":
@@ -416,7 +421,7 @@ def _static_buffers(spec: StaticTree, tokens_BxN, score_BxN, source) -> TreeBuff
 
 
 def _expand_static(spec: StaticTree, root_B, evaluate, state, key, mode, source):
-    if spec.num_nodes == spec.max_depth + 1 and spec.max_depth >= LOOP_MIN_DEPTH:  # a chain: steps in a loop
+    if is_chain(spec) and spec.max_depth >= LOOP_MIN_DEPTH:  # a chain: steps in a loop
         return _expand_chain(spec, root_B, evaluate, state, key, mode, source)
     parents, depth, rank = spec.layout()
     anc = static_ancestors(parents)

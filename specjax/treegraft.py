@@ -42,8 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import scheduler as sched_lib, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, SourceScores
+from specjax import engine
+from specjax import scheduler as sched_lib
+from specjax import tree as tree_lib
+from specjax.drafters.base import Committed, Composite, DraftContext, Drafter, Proposal, SourceScores
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeBuffers
 
@@ -186,7 +188,7 @@ def grafted_on_path(info: RoundInfo, committed: Committed):
 
 # ----------------------------------------------------------------------------- the composite drafter
 
-class TreeGraft(Drafter):
+class TreeGraft(Composite):
     """A cheap and a strong drafter (cheapest first) drafting one tree; see the module docstring.
 
     cheap_tree: the cheap drafter's candidate tree spec (default: a dynamic tree of ~2N nodes at
@@ -197,6 +199,8 @@ class TreeGraft(Drafter):
     tau_decay: the EMA decay of the scheduler's recent-tau feature.
     """
     name = "treegraft"
+    PARTS = ("cheap", "strong")
+    PRIMARY = "strong"  # its default tree and tree resolution
 
     def __init__(self, cheap, strong, *, scheduler: sched_lib.Scheduler | None = None, policy: str = "always",
                  calibration: float = 0.0, cheap_tree=None, graft_nodes: int | None = None, graft_topk: int = 2,
@@ -243,17 +247,10 @@ class TreeGraft(Drafter):
 
     # -- configuration (host side)
 
-    @property
-    def vocab_size(self):
-        return self.strong.vocab_size if self.strong.vocab_size is not None else self.cheap.vocab_size
-
-    @property
-    def reads_target_state(self) -> bool:
-        return self.cheap.reads_target_state or self.strong.reads_target_state
-
-    @property
-    def target_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.cheap.target_layers) | set(self.strong.target_layers)))
+    def rebuild(self, cheap, strong) -> "TreeGraft":
+        return TreeGraft(cheap, strong, scheduler=self.scheduler, policy=self.policy,
+                         calibration=float(self.calibration.get_value()), cheap_tree=self.cheap_tree,
+                         graft_nodes=self.graft_nodes, graft_topk=self.graft_topk, tau_decay=self.tau_decay)
 
     @property
     def policy(self) -> str:
@@ -321,15 +318,10 @@ class TreeGraft(Drafter):
                              f"deterministic-candidates rule (verify='deterministic', or greedy at temperature 0), "
                              f"not {rule!r}")
         cspec, M, _, _ = self.plan(spec)
-        # the cheap drafter's own checks on the tree it drafts (e.g. a block drafter's depth bound)
-        own = self.cheap.check_tree(cspec, rule)
+        # each drafter's own checks on the tree it drafts or scores (e.g. a block drafter's depth bound)
+        own = max(self.cheap.check_tree(cspec, rule), self.strong.check_tree(cspec, rule))
         evaluated = cspec.pool_size if isinstance(cspec, tree_lib.DynamicTree) else M
         return max(evaluated, M, spec.num_nodes, own)
-
-    def validate(self, capacity: int) -> None:
-        """Engine hook: each drafter's own checks against the cache capacity (e.g. FOLD's window)."""
-        for d in (self.cheap, self.strong):
-            d.validate(capacity)
 
     # -- the protocol (traced)
 
@@ -374,7 +366,7 @@ class TreeGraft(Drafter):
         N, D = spec.num_nodes, spec.max_depth
         cspec, M, G, k = self.plan(spec)
         B = root_B.shape[0]
-        cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key, ctx.features,
+        cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key,
                                                                    active=ctx.active))
         ctree = sanitize(cp.tree, D)
         features = sched_lib.tree_features(ctree, N, state.tau_ema, state.last_accepted)
@@ -416,8 +408,8 @@ class TreeGraft(Drafter):
                           counters=counters, pending=None)
 
     def loop_stats(self, state: GraftState) -> dict:
-        """Engine hook: per-row counters over the whole generation."""
-        return {f"treegraft_{c}": v for c, v in state.counters.items()}
+        """Engine hook: per-row counters over the whole generation, and each drafter's own."""
+        return {**super().loop_stats(state), **{f"treegraft_{c}": v for c, v in state.counters.items()}}
 
 
 def build(drafters: Sequence, treegraft: str, **kwargs) -> TreeGraft:
@@ -444,11 +436,9 @@ class RoundStepper:
     def __init__(self, model, tg: TreeGraft, spec, *, max_new_tokens: int, rule: str = "greedy",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=(), seed: int = 0,
                  capacity: int | None = None):
-        from specjax import engine
         self.model, self.tg = model, tg
-        self.spec = tree_lib.parse_tree_spec(spec)
-        self.rule = engine.resolve_rule(rule, temperature)
-        self.scratch = tg.check_tree(self.spec, self.rule)
+        self.plan = engine.plan_rounds(model, tg, spec, rule, temperature)  # the engine's own setup
+        self.spec, self.rule = self.plan.spec, self.plan.rule
         self.max_new_tokens = int(max_new_tokens)
         self.params = SamplingParams.make(temperature, top_k, top_p)
         self.eos = jnp.asarray(engine._eos_array(model, eos_token_id))
@@ -464,19 +454,16 @@ class RoundStepper:
 
     @property
     def slack(self) -> int:
-        return max(self.scratch, self.spec.num_nodes) + self.spec.max_depth + 2
+        return self.plan.slack
 
     def capacity_for(self, prompts) -> int:
         """One cache capacity that fits every prompt (so one compiled round serves them all)."""
-        from specjax import engine
         longest = max(len(p) for p in prompts)
         return engine.PROMPT_BUCKET * -(-longest // engine.PROMPT_BUCKET) + self.max_new_tokens + self.slack
 
-    def start(self, prompts) -> "engine.LoopCarry":
-        from specjax import engine
-        slack = self.slack
+    def start(self, prompts) -> engine.LoopCarry:
         batch = engine.prepare_prompts(prompts, self.model.config.vocab_size, self.max_new_tokens, self.capacity,
-                                       slack=slack)
+                                       slack=self.slack)
         self.tg.validate(batch.capacity)
         return _start(self.graphdef, self.states["never"], jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
                       self.params, self.key, self.eos, capacity=batch.capacity, max_new_tokens=self.max_new_tokens,
@@ -500,7 +487,6 @@ class RoundStepper:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "max_new_tokens", "spec", "greedy"))
 def _start(graphdef, state, prompt_BxP, lengths_B, params, key, eos_E, *, capacity, max_new_tokens, spec, greedy):
-    from specjax import engine
     model, tg = nnx.merge(graphdef, state)
     return engine.spec_start(model, tg, prompt_BxP, lengths_B, params, key, eos_E, capacity=capacity,
                              max_new_tokens=max_new_tokens, spec=spec, greedy=greedy)
@@ -509,7 +495,6 @@ def _start(graphdef, state, prompt_BxP, lengths_B, params, key, eos_E, *, capaci
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "rule", "spec"))
 def _round(graphdef, state, carry, params, key, eos_E, *, max_new_tokens, rule, spec):
     """The engine's round (`engine.spec_round`) plus TreeGraft's per-round record."""
-    from specjax import engine
     model, tg = nnx.merge(graphdef, state)
     new, rnd = engine.spec_round(model, tg, carry, params, key, eos_E, max_new_tokens=max_new_tokens, rule=rule,
                                  spec=spec, mode="topk")

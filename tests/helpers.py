@@ -6,6 +6,7 @@ differing token is a bug.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Callable, Sequence
@@ -97,15 +98,45 @@ def chi_square(counts, probs, min_expected=5.0):
     return stat, df, crit
 
 
-# Tiny models shared by the speculative-decoding tests.
+# Tiny models shared by the speculative-decoding tests: one definition of each, built once per
+# process (`functools.cache`: every module that asks for the same arguments gets the same object).
+# The models are read-only: a test that changes weights builds its own model, or changes a copy.
 
+@functools.cache
 def tiny_target(vocab: int, seed: int = 0):
-    """A random 2-layer Llama-style target (O(1) logits: few near-ties)."""
+    """A random 2-layer Llama-style target (O(1) logits: few near-ties). Shared: do not modify."""
     from specjax.models import transformer
     from specjax.models.config import ModelConfig
     cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
     return transformer.init_model(cfg, seed=seed)
+
+
+def tiny_hybrid_config(vocab: int = 64, num_layers: int = 3, **overrides):
+    """The tiny hybrid (Qwen3-Next-style) target's config: linear-attention layers around one
+    full-attention layer (2 layers: linear, full; 3: linear, full, linear). `overrides`: other fields."""
+    from specjax.models.config import HybridConfig
+    fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=num_layers, num_heads=4,
+                  num_kv_heads=2, head_dim=16,
+                  layer_types=("linear_attention", "full_attention", "linear_attention")[:num_layers],
+                  linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                  partial_rotary_factor=0.5, max_position_embeddings=512)
+    return HybridConfig(**{**fields, **overrides})
+
+
+@functools.cache
+def tiny_hybrid(vocab: int = 64, num_layers: int = 3, seed: int = 1):
+    """A random hybrid target of `tiny_hybrid_config(vocab, num_layers)`. Shared: do not modify."""
+    from specjax.models import hybrid
+    return hybrid.init_model(tiny_hybrid_config(vocab, num_layers), seed=seed)
+
+
+@functools.cache
+def noisy_lm_drafter(vocab: int, scale: float = 0.1, seed: int = 9):
+    """An lm drafter on `noisy_copy(tiny_target(vocab), scale, seed)`: partial, row-varying acceptance.
+    Shared: do not modify."""
+    from specjax.drafters import LMDrafter
+    return LMDrafter(noisy_copy(tiny_target(vocab), scale, seed))
 
 
 def noisy_copy(model, scale: float, seed: int):
@@ -121,8 +152,10 @@ def noisy_copy(model, scale: float, seed: int):
     return nnx.merge(graphdef, noisy)
 
 
+@functools.cache
 def tiny_drafter_model(vocab: int, seed: int = 5):
-    """An independent 1-layer random LM with the same vocabulary (rarely agrees with the target)."""
+    """An independent 1-layer random LM with the same vocabulary (rarely agrees with the target).
+    Shared: do not modify."""
     from specjax.models import transformer
     from specjax.models.config import ModelConfig
     cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -160,6 +193,24 @@ def train_block_on_own_outputs(target, head, tc, anchors_fn, steps: int, seed: i
     for i in range(steps):
         params, opt = step(params, opt, jax.random.key(i))
     return nnx.merge(gdef, params, consts), data
+
+
+@functools.cache
+def trained_dspark(vocab: int = 64, hybrid_layers: int = 0, steps: int = 100, seed: int = 0, block_size: int = 4):
+    """A tiny DSpark drafter (1 layer, Markov rank 16) trained with train.block's loss on its target's
+    own greedy continuations (`train_block_on_own_outputs`): on those prompts it is right often, not
+    always. The target: `tiny_target(vocab)`, or `tiny_hybrid(vocab, hybrid_layers)` when
+    `hybrid_layers` > 0. Returns (target, head, data [24, 40]). Shared: do not modify."""
+    from flax import nnx
+
+    from specjax.drafters.block import BlockConfig, BlockHead
+    from train.block import BlockTrainConfig, sample_anchors
+    target = tiny_hybrid(vocab, hybrid_layers) if hybrid_layers else tiny_target(vocab)
+    cfg = BlockConfig.for_target(target.config, block_size=block_size, num_layers=1, markov_rank=16)
+    head, data = train_block_on_own_outputs(
+        target, BlockHead(cfg, nnx.Rngs(seed)), BlockTrainConfig(name="t", target="t", anchors=8),
+        lambda key, B, T: sample_anchors(key, B, T, 8, block_size), steps, seed, vocab)
+    return target, head, data
 
 
 def first_two_chi_squares(first, second, n, p0, p1, V: int, min_rows: int = 2000) -> list[tuple]:

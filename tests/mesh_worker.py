@@ -44,17 +44,13 @@ def _targets():
     feature drafter (an untrained EAGLE-3 head over two target layers)."""
     from flax import nnx
 
-    from helpers import noisy_copy, tiny_target
+    from helpers import noisy_copy, tiny_hybrid_config, tiny_target
     from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
     from specjax.drafters.lm import LMDrafter
     from specjax.models import hybrid
-    from specjax.models.config import HybridConfig
     dense = tiny_target(160, seed=0)
-    hcfg = HybridConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, layer_types=("linear_attention", "full_attention"),
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                        linear_value_head_dim=8, partial_rotary_factor=0.5, max_position_embeddings=512)
-    hyb = hybrid.init_model(hcfg, seed=0)
+    # the tests' tiny hybrid (linear, full attention), here with 2 linear key heads and 4 value heads
+    hyb = hybrid.init_model(tiny_hybrid_config(160, 2, linear_num_key_heads=2, linear_num_value_heads=4), seed=0)
     out = {}
     for name, target in (("dense", dense), ("hybrid", hyb)):
         head = FeatureHead(FeatureConfig.for_target(target.config, target_layers=(0, 1)), nnx.Rngs(3))

@@ -26,7 +26,7 @@ from flax import nnx
 
 import specjax
 from helpers import (assert_first_two_follow, chi_square, noisy_copy, prefilled_state, spread_target, tiny_target)
-from specjax import adaptive as A, engine, tree as T, verify as V
+from specjax import adaptive as A, engine, tree as T, verify as V, widths as W
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.drafters.base import Committed, DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
@@ -75,7 +75,7 @@ def test_greedy_equals_autoregressive(dense, batch):
     for name, tree, step in CASES if batch > 1 else [CASES[0], CASES[4]]:
         d = drafters[name]
         n = d.resolve_tree(T.parse_tree_spec(tree)).num_nodes
-        a = A.AdaptiveShape(d, costs(A.adaptive_widths(n)), draft_step_s=step)
+        a = A.AdaptiveShape(d, costs(W.adaptive_widths(n)), draft_step_s=step)
         res = specjax.generate(target, prompts, max_new_tokens=20, drafters=[a], tree=tree)
         assert res.sequences() == ref, (name, tree)
         assert res.lossless
@@ -86,7 +86,7 @@ def test_greedy_equals_autoregressive(dense, batch):
 def test_one_trace_per_configuration_and_steep_costs_verify_less(dense):
     target, lm = dense
     prompts = _prompts(4, seed=1)
-    widths = A.adaptive_widths(6)
+    widths = W.adaptive_widths(6)
     flat = A.AdaptiveShape(lm, (1.0,) * len(widths))  # equal costs: the whole tree, every round
     steep = A.AdaptiveShape(lm, costs(widths, slope=2.0), draft_step_s=0.5)
     kw = dict(max_new_tokens=16, tree="chain=5")
@@ -126,7 +126,7 @@ def test_accepted_nodes():
     tree = T.TreeBuffers(tokens=jnp.asarray([[3, 7, 8, 4, 5]]), parents=jnp.asarray([[-1, 0, 0, 1, 2]]),
                          depth=jnp.asarray([[0, 1, 1, 2, 2]]), valid=jnp.ones((1, 5), bool),
                          score=jnp.zeros((1, 5)), source=jnp.zeros((1, 5), jnp.int8))
-    c = Committed(tokens=jnp.asarray([[3, 8, 0]]), count=jnp.asarray([2]), positions=jnp.zeros((1, 3), jnp.int32))
+    c = Committed(tokens=jnp.asarray([[3, 8, 0]]), count=jnp.asarray([2]))
     on, seen = A.accepted_nodes(tree, c)
     assert np.asarray(on[0]).tolist() == [True, False, True, False, False]
     assert np.asarray(seen[0]).tolist() == [False, True, True, False, True]  # children of the root and of node 2
@@ -142,7 +142,7 @@ def test_deterministic_rule_on_an_adaptive_tree_is_lossless():
     prompt, root = [1, 5, 2], 3
     fam = family(target)
     spec = T.parse_tree_spec("[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]")
-    widths = A.adaptive_widths(spec.num_nodes)
+    widths = W.adaptive_widths(spec.num_nodes)
     a = A.AdaptiveShape(d, costs(widths, slope=0.05))
     st = a.prepare(prefilled_state(a, target, prompt), spec)
     prop = a.propose(st, jnp.asarray([root]), DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0)))
@@ -197,7 +197,7 @@ def test_calibration_file_round_trip(tmp_path):
 
 def test_refusals(dense):
     target, lm = dense
-    widths = A.adaptive_widths(5)
+    widths = W.adaptive_widths(5)
     with pytest.raises(ValueError, match="path log q"):
         A.AdaptiveShape(NgramDrafter(), costs(widths))
     with pytest.raises(ValueError, match="positive"):
@@ -215,7 +215,7 @@ def test_refusals(dense):
     cut = BlockDrafter(BlockHead(BlockConfig.for_target(target.config, block_size=4, num_layers=1), nnx.Rngs(0)),
                        target, confidence=0.5)
     with pytest.raises(ValueError, match="already chooses"):
-        specjax.generate(target, p, drafters=[A.AdaptiveShape(cut, costs(A.adaptive_widths(5)))], tree="chain=4")
+        specjax.generate(target, p, drafters=[A.AdaptiveShape(cut, costs(W.adaptive_widths(5)))], tree="chain=4")
 
 
 # ----------------------------------------------------------------------------- margin verification (lossy)
@@ -318,7 +318,7 @@ def test_cli_margin_warns_and_adaptive_needs_a_profile(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(base + argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    widths = A.adaptive_widths(4)
+    widths = W.adaptive_widths(4)
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"rows": {"1": {"widths": list(widths), "round_s": list(costs(widths)), "draft_s": 0.3}}}))
     assert main(base + ["--adaptive", "--verify-profile", str(prof)]) == 0

@@ -24,47 +24,31 @@ from flax import nnx
 
 import specjax
 from helpers import (assert_first_two_follow, chi_square, full_features, prefilled_state, spread_target,
-                     tiny_target, train_block_on_own_outputs)
+                     tiny_hybrid, tiny_target, trained_dspark)
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
-from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, calibrate_temperatures, ece, fill_to_width,
-                                    load_block_head,
-                                    save_block_head, schedule_keep, train_logits)
-from specjax.models import family, hybrid, transformer
-from specjax.models.config import HybridConfig
+from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, load_block_head, save_block_head, train_logits
+from specjax.widths import fill_to_width, schedule_keep
+from train.calibration import calibrate_temperatures, ece
+from specjax.models import family, transformer
 from specjax.sampling import SamplingParams
 from specjax.tree import parse_tree_spec
 
 VOCAB = 64
 W = 4
-HYBRID = HybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1,
-                      linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                      partial_rotary_factor=0.5, max_position_embeddings=512)
-
-
-def _train_on_own_outputs(target, steps=100, seed=0):
-    """A tiny block drafter trained (DSpark loss, train.block) on the target's own greedy
-    continuations: on those prompts it is right often, not always (partial, row-varying acceptance)."""
-    from train.block import BlockTrainConfig, sample_anchors
-    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=16)
-    return train_block_on_own_outputs(target, BlockHead(cfg, nnx.Rngs(seed)), BlockTrainConfig(name="t", target="t", anchors=8),
-                                      lambda key, B, T: sample_anchors(key, B, T, 8, W), steps, seed, VOCAB)
+HYBRID_LAYERS = 2  # the hybrid target: tiny_hybrid(VOCAB, 2) (linear, full attention)
 
 
 @pytest.fixture(scope="module")
 def dense():
-    target = tiny_target(VOCAB)
-    head, data = _train_on_own_outputs(target)
-    return target, head, data
+    """(target, head, data): the tiny DSpark drafter trained on its dense target's own outputs (shared)."""
+    return trained_dspark(VOCAB, block_size=W)
 
 
 @pytest.fixture(scope="module")
 def hybrid_setup():
-    target = hybrid.init_model(HYBRID, seed=1)
-    head, data = _train_on_own_outputs(target, steps=60, seed=1)
-    return target, head, data
+    return trained_dspark(VOCAB, hybrid_layers=HYBRID_LAYERS, steps=60, seed=1, block_size=W)
 
 
 def _ragged(data, batch):
@@ -75,7 +59,7 @@ def _ragged(data, batch):
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_drafting_pass_equals_training_pass(kind):
-    target = tiny_target(VOCAB) if kind == "dense" else hybrid.init_model(HYBRID, seed=1)
+    target = tiny_target(VOCAB) if kind == "dense" else tiny_hybrid(VOCAB, HYBRID_LAYERS)
     cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=2, markov_rank=8)
     head = BlockHead(cfg, nnx.Rngs(3))
     d = BlockDrafter(head, target)
@@ -99,8 +83,7 @@ def test_drafting_pass_equals_training_pass(kind):
     pre = fam.prefill(target, toks, jnp.asarray([14]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
     st = d.init(toks, jnp.asarray([14]), 64, pre)
     st = dataclasses.replace(st, cache=d.draft_block(st, toks[:, 14])[2])  # a proposal's scratch, overwritten
-    st = d.commit(st, Committed(tokens=toks[:, 14:18], count=jnp.asarray([3]), positions=jnp.arange(14, 18)[None],
-                                features=feats[:, 14:18]))
+    st = d.commit(st, Committed(tokens=toks[:, 14:18], count=jnp.asarray([3]), features=feats[:, 14:18]))
     base, h = d.draft_block(st, toks[:, 17])[:2]
     np.testing.assert_allclose(np.asarray(base[0]), np.asarray(base_train[0, 1]), atol=2e-4, rtol=1e-4)
 

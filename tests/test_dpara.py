@@ -71,7 +71,7 @@ def test_boundary_pass_equals_training_pass():
         blocks, cache = d.boundary_pass(st.cache, toks[:, root:root + 5], jnp.arange(5)[None], chain)
         st = d.commit(dataclasses.replace(st, cache=cache, boundary=blocks),
                       Committed(tokens=toks[:, root:root + 5], count=jnp.asarray([count]),
-                                positions=jnp.arange(root, root + 5)[None], features=feats[:, root:root + 5]))
+                                features=feats[:, root:root + 5]))
         assert st.boundary is None and int(st.cache.length[0]) == root + count
         np.testing.assert_allclose(np.asarray(st.block[0]), np.asarray(tp.pre[0, j]), atol=2e-5)
 
@@ -156,6 +156,5 @@ def after_a_round(head, target, toks, pre, feats, b):
     chain = jnp.tril(jnp.ones((1, 5, 5), bool))[:, :n, :n]
     bl, cache = d.boundary_pass(st.cache, toks[:, 12:12 + n], jnp.arange(n)[None], chain)
     st = d.commit(dataclasses.replace(st, cache=cache, boundary=bl),
-                  Committed(tokens=toks[:, 12:17], count=jnp.asarray([4]), positions=jnp.arange(12, 17)[None],
-                            features=feats[:, 12:17]))
+                  Committed(tokens=toks[:, 12:17], count=jnp.asarray([4]), features=feats[:, 12:17]))
     return st.block

@@ -89,9 +89,9 @@ def test_no_far_keys_equals_plain_drafter(target, lm_drafter, feature_drafter, k
     prompts = _prompts([70, 37])
     tok_p, q_p = _draft(target, plain, prompts)
     # context <= sinks + window: n_far = 0 (chunk 16 < prompt: the lm drafter's prefill is chunked)
-    no_far = fold.with_fold(plain, FoldConfig(sinks=4, window=100, chunk=16, sharpen=2.0))
+    no_far = plain.with_fold(FoldConfig(sinks=4, window=100, chunk=16, sharpen=2.0))
     # far keys, but left at their true positions and not sharpened: the plain attention again
-    identity = fold.with_fold(plain, dataclasses.replace(FAR, fold_positions=False, sharpen=0.0))
+    identity = plain.with_fold(dataclasses.replace(FAR, fold_positions=False, sharpen=0.0))
     for folded in (no_far, identity) if kind == "lm" else (no_far,):
         tok_f, q_f = _draft(target, folded, prompts)
         np.testing.assert_allclose(np.asarray(q_f), np.asarray(q_p), rtol=1e-5, atol=1e-6)
@@ -102,13 +102,13 @@ def test_with_fold_shares_weights_and_leaves_original_plain(lm_drafter, feature_
     folded = LMDrafter(lm_drafter.model, fold=FAR)
     assert lm_drafter.fold is None and folded.fold == FAR
     assert folded.model.embed_tokens[...] is lm_drafter.model.embed_tokens[...]
-    assert fold.with_fold(folded, None).fold is None
+    assert folded.with_fold(None).fold is None
     # FOLD is the drafter's attention argument, not an attribute of the shared model / head
     assert folded.model is lm_drafter.model and not hasattr(folded.model, "fold")
     assert lm_drafter.attention is None and isinstance(folded.attention, fold.FoldAttention)
     f_folded = feature_drafter.with_fold(FAR)
     assert f_folded.fold == FAR and feature_drafter.fold is None and f_folded.head is feature_drafter.head
-    assert f_folded.with_fold(None).fold is None and lm_drafter.attends and f_folded.attends
+    assert f_folded.with_fold(None).fold is None
     with pytest.raises(ValueError, match="must be a FoldConfig"):
         lm_drafter.with_fold("sinks=1")
 
@@ -237,7 +237,7 @@ def _logits_fn(model, prompts):
 @pytest.mark.parametrize("kind,tree", [("lm", "depth=3,topk=2,nodes=6"), ("feature", "chain=3")])
 def test_greedy_equals_autoregressive_with_far_keys(target, lm_drafter, feature_drafter, kind, tree):
     prompts = _prompts([70, 101], seed=3)  # ragged; n_far 52 and 83 at the start
-    drafter = fold.with_fold(lm_drafter if kind == "lm" else feature_drafter, FAR)
+    drafter = (lm_drafter if kind == "lm" else feature_drafter).with_fold(FAR)
     ref_out = specjax.generate(target, prompts, max_new_tokens=20, eos_token_id=())
     got = specjax.generate(target, prompts, max_new_tokens=20, eos_token_id=(), drafters=[drafter], tree=tree)
     n_exact, n_near = compare_greedy(ref_out.sequences(), got.sequences(), _logits_fn(target, prompts))
@@ -261,10 +261,10 @@ def test_bad_input_errors(target, lm_drafter):
         FoldConfig.parse("window=big")
     with pytest.raises(ValueError, match="beta rule"):
         FoldConfig(beta_rule="cubic")
-    with pytest.raises(ValueError, match="n-gram drafter has none"):
+    with pytest.raises(ValueError, match="'ngram' drafter takes no FOLD"):
         load_drafter("ngram", target, fold=FAR)
     with pytest.raises(ValueError, match="'ngram' drafter has none"):
-        fold.with_fold(NgramDrafter(), FAR)
+        NgramDrafter().with_fold(FAR)
     assert FoldConfig.parse("default") == FoldConfig()
     assert FoldConfig.parse("sinks=1,window=8,lambda=0.25,beta=log-log,positions=off,far=9") == FoldConfig(
         sinks=1, window=8, sharpen=0.25, beta_rule="log-log", fold_positions=False, far_distance=9)

@@ -493,7 +493,6 @@ class _EchoStateDrafter(specjax.drafters.Drafter):
     """A toy drafter that reads `Committed.target` (the hybrid target's committed recurrent state)
     and drafts tokens made from it; `loop_stats` echoes what it read."""
     name = "echo-state"
-    reads_target_state = True
 
     def __init__(self, vocab):
         self.vocab_size = vocab

@@ -24,26 +24,22 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import first_two_chi_squares, spread_target, tiny_target
+from helpers import first_two_chi_squares, spread_target, tiny_hybrid, tiny_hybrid_config, tiny_target
 from specjax import engine, verify as V
 from specjax.checkpoint import load_model, mtp_tensor_names, read_mtp_tensors, save_model, weights_sha256
 from specjax.drafters import load_drafter
 from specjax.drafters import mtp as M
 from specjax.drafters.base import DraftContext
-from specjax.models import family, hybrid
-from specjax.models.config import HybridConfig
+from specjax.models import family
 from specjax.sampling import SamplingParams
 from specjax.tree import parse_tree_spec
 
 VOCAB = 64
-HYBRID = HybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                      head_dim=16, layer_types=("linear_attention", "full_attention", "linear_attention"),
-                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                      partial_rotary_factor=0.5, max_position_embeddings=512)
+HYBRID = tiny_hybrid_config(VOCAB)  # 3 layers: linear, full, linear attention
 
 
 def _target(kind):
-    return tiny_target(VOCAB) if kind == "dense" else hybrid.init_model(HYBRID, seed=1)
+    return tiny_target(VOCAB) if kind == "dense" else tiny_hybrid(VOCAB)  # shared: HYBRID, seed 1
 
 
 def _head(target, n=1, seed=3):

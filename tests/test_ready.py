@@ -23,23 +23,19 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import first_two_chi_squares, tiny_target, train_block_on_own_outputs
+from helpers import first_two_chi_squares, tiny_hybrid, tiny_hybrid_config, tiny_target, train_block_on_own_outputs
 from specjax import engine, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import Committed, DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, load_block_head, save_block_head, train_logits
 from specjax.models import family, hybrid
-from specjax.models.config import HybridConfig
 from specjax.sampling import SamplingParams
 from specjax.tree import parse_tree_spec
 
 VOCAB = 64
 W = 4
 EVERY = 4
-HYBRID = HybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                      head_dim=16, layer_types=("linear_attention", "full_attention", "linear_attention"),
-                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                      partial_rotary_factor=0.5, max_position_embeddings=512)
+HYBRID = tiny_hybrid_config(VOCAB)  # 3 layers: linear, full, linear attention
 
 
 def _ready_cfg(target_cfg, **kw):
@@ -69,7 +65,7 @@ def _forward(target, toks, layers):  # the target over a causal block (jitted: e
 
 @pytest.fixture(scope="module")
 def target():
-    return hybrid.init_model(HYBRID, seed=1)
+    return tiny_hybrid(VOCAB)  # HYBRID, seed 1 (shared)
 
 
 def test_prefix_states_are_the_committed_states(target):
@@ -92,7 +88,7 @@ def test_drafting_pass_equals_training_pass(target):
     cfg = _ready_cfg(target.config)
     head = _loud(BlockHead(cfg, nnx.Rngs(3)))
     d = BlockDrafter(head, target)
-    assert d.reads_target_state and cfg.state_layers == (0, 2) and d.state_index == (0, 1)
+    assert d.head.config.reads_state and cfg.state_layers == (0, 2) and d.state_index == (0, 1)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
     feats = jnp.concatenate(_forward(target, toks, cfg.target_layers).hidden, -1)
@@ -122,8 +118,7 @@ def test_drafting_pass_equals_training_pass(target):
                           hidden_layers=cfg.target_layers)
         st = d.init(toks, jnp.asarray([13]), 64, pre)
         ext = hybrid.extend(target, toks[:, 13:17], jnp.asarray([3]), pre.cache, hidden_layers=cfg.target_layers)
-        st = d.commit(st, Committed(tokens=toks[:, 13:17], count=jnp.asarray([3]), positions=jnp.arange(13, 17)[None],
-                                    features=feats[:, 13:17], target=ext.cache))
+        st = d.commit(st, Committed(tokens=toks[:, 13:17], count=jnp.asarray([3]), features=feats[:, 13:17], target=ext.cache))
         return d.draft_block(st, toks[:, 16])[0]
 
     base = after_a_round()

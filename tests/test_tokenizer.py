@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from train import corpus
+from train import corpus, prompts as prompts_lib
 from train.tokenizer import EOT_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS, decode, roundtrip_failures, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_shipped_tokenizer():
 
 def test_long_context_prompts(small_tokenizer, live):
     root, m = live
-    prompts = corpus.long_context_prompts(small_tokenizer, lengths=(1024, 8192), per_length=2, manifest=m, root=root)
+    prompts = prompts_lib.long_context_prompts(small_tokenizer, lengths=(1024, 8192), per_length=2, manifest=m, root=root)
     for length, items in prompts.items():
         assert len(items) == 2
         for item in items:

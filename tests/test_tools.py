@@ -1,14 +1,9 @@
 """The benchmark tools run end to end (on tiny random models: they check the tools, not speed)."""
 import json
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
 
 
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
-    import bench
+    from tools import bench
     out = tmp_path / "spec"
     # block drafters (made-up profile): the scheduler, a best-first tree from the one pass, the sampled rule
     block = ["dspark chain=4 schedule", "dflash chain=4 T=1 sampled", "dspark treeflash,nodes=8,rows=markov"]
@@ -33,7 +28,7 @@ def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
 
 
 def test_bench_round_smoke(tmp_path):
-    import bench_round
+    from tools import bench_round
     out = tmp_path / "round"
     r = bench_round.main(["--smoke", "--out", str(out)])
     assert set(r["forward_ms"]) == {1, 5} and r["ar_ms_per_token"] > 0
@@ -45,8 +40,8 @@ def test_bench_round_smoke(tmp_path):
 
 
 def test_bench_critical_path_smoke(tmp_path):
-    """tools/bench_critical_path.py --smoke: DSpark and DPara split along their critical paths."""
-    import bench_critical_path
+    """python -m tools.bench_critical_path --smoke: DSpark and DPara split along their critical paths."""
+    from tools import bench_critical_path
     out = tmp_path / "cp"
     r = bench_critical_path.main(["--smoke", "--out", str(out)])
     rows = {x["drafter"]: x for x in r["rows"]}
@@ -63,7 +58,7 @@ def test_bench_critical_path_smoke(tmp_path):
 
 
 def test_profile_widths_smoke(tmp_path):
-    import profile_widths
+    from tools import profile_widths
 
     from specjax.profile import costs_from_profile, load_profile
     out = tmp_path / "profile.json"
@@ -78,10 +73,10 @@ def test_profile_widths_smoke(tmp_path):
 
 
 def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
-    """tools/bench_adaptive.py --smoke: fixed, adaptive and margin rows with their divergence
+    """python -m tools.bench_adaptive --smoke: fixed, adaptive and margin rows with their divergence
     columns; profile_widths --adaptive: every width of a small chain, with the rest of the round."""
-    import bench_adaptive
-    import profile_widths
+    from tools import bench_adaptive
+    from tools import profile_widths
     out = tmp_path / "adaptive"
     assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=2", "--margins", "3", "--new-tokens", "10",
                                 "--out", str(out)]) == 0
@@ -109,7 +104,7 @@ def test_costs_from_profile():
     p = {"tree": "chain=4", "rows": rows}
     assert [profile_batch(p, b) for b in (1, 2, 3, 4, 15, 16, 64)] == [2, 2, 2, 4, 4, 16, 16]
     assert costs_from_profile(p, 8, [1, 3, 5]) == (4.0, 5.0, 6.0)
-    with pytest.raises(ValueError, match="rerun python tools/profile_widths.py"):
+    with pytest.raises(ValueError, match=r"rerun python (-m tools\.profile_widths|tools/profile_widths\.py)"):
         costs_from_profile(p, 8, (1, 2, 3, 5))
     with pytest.raises(ValueError, match="profile_widths"):
         costs_from_profile({"rows": {"1": {"widths": [1]}}}, 1, (1,))
@@ -118,7 +113,7 @@ def test_costs_from_profile():
 def test_bench_compile_smoke(tmp_path):
     """The compile-time tool: a cold and a warm process per configuration, the warm one loading its
     programs from the cache with the same tokens, and the program's size per part of the round."""
-    import bench_compile
+    from tools import bench_compile
     out = tmp_path / "compile"
     assert bench_compile.main(["--smoke", "--configs", "lm chain=4", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]

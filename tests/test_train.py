@@ -481,7 +481,7 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
     assert "Recurrent-state reader" in card and "[0, 1, 2]" in card
     assert "Reduced draft vocabulary" in card and "repeated 3 times" in card
     ready = load_drafter(str(tmp_path / "ready-export"), model, target_path=str(tmp_path / "export"))
-    assert ready.reads_target_state and ready.state_index == (0, 1, 2)
+    assert ready.head.config.reads_state and ready.state_index == (0, 1, 2)
     assert ready.head.vocab_ids[...].shape == (96,) and ready.head.markov_embed.shape == (97, 8)
     assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[ready]).sequences() == ref_seq
 

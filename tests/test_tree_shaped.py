@@ -23,14 +23,14 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import (assert_first_two_follow, chi_square, prefilled_state, spread_target, tiny_target,
-                     train_block_on_own_outputs)
+from helpers import assert_first_two_follow, chi_square, prefilled_state, spread_target, trained_dspark
 from specjax import engine, tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
 from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, ar_logits, load_block_head, markov_embed,
                                     position_logits, save_block_head)
-from specjax.taps import PathCalibration, budget_keep, fit_path_calibration
+from specjax.taps import PathCalibration, fit_path_calibration
+from specjax.widths import budget_keep
 from specjax.models import family
 from specjax.sampling import SamplingParams
 
@@ -98,12 +98,7 @@ def test_budget_keeps_the_best_prefix():
 def dense():
     """A tiny DSpark drafter trained on the target's own greedy continuations, with a TreeFlash head
     on it (random, non-zero: its rows differ from the Markov head's) and a path calibration."""
-    from train.block import BlockTrainConfig, sample_anchors
-    target = tiny_target(VOCAB)
-    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=16)
-    head, data = train_block_on_own_outputs(target, BlockHead(cfg, nnx.Rngs(0)),
-                                            BlockTrainConfig(name="t", target="t", anchors=8),
-                                            lambda key, B, T_: sample_anchors(key, B, T_, 8, W), 100, 0, VOCAB)
+    target, head, data = trained_dspark(VOCAB, block_size=W)  # test_block's (shared)
     tf = BlockHead(BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=16,
                                           ar_intermediate=16), nnx.Rngs(1))
     nnx.update(tf, nnx.state(head, nnx.Param))  # the backbone: the trained head's parameters

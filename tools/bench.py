@@ -11,7 +11,7 @@ Block drafters (`--dspark`, `--dflash`: DSpark and its DFlash ablation; `--ready
 reading a hybrid target's recurrent states; `--dpara`: DPara, DSpark with the next block precomputed
 for every acceptance boundary; `--block NAME=DIR`: any other, e.g. an ablation) draft a
 chain of their block size, with the confidence cut off, at a threshold (`--dspark-threshold`) and, given a verify-width
-profile of this machine (`--verify-profile`, from tools/profile_widths.py), under the DSpark
+profile of this machine (`--verify-profile`, from `python -m tools.profile_widths`), under the DSpark
 scheduler; and a dynamic tree from the same one backbone pass; a state reader also drafts with
 its reader on zeroed states (`zero-state` rows, the ablation). One loaded head serves every
 variant. Two more columns per speculative method:
@@ -26,11 +26,11 @@ divergence counts as an honest near-tie only where the target's top-2 logits are
 With `--hf`, transformers' assisted generation (assistant_model = the same draft weights, and
 prompt lookup) runs on the same prompts as the peer (batch 1, its only mode).
 
-    python tools/bench.py                      # the zoo: models/code-target (+ code-draft, code-target-feature)
-    python tools/bench.py --smoke              # tiny random models, seconds (what the test runs)
-    python tools/bench.py --methods "dspark chain=8,dspark chain=8 schedule,dflash chain=8"
+    python -m tools.bench                      # the zoo: models/code-target (+ code-draft, code-target-feature)
+    python -m tools.bench --smoke              # tiny random models, seconds (what the test runs)
+    python -m tools.bench --methods "dspark chain=8,dspark chain=8 schedule,dflash chain=8"
 
-Writes bench/<out>.md, .json and .png. Float32 on CPU.
+Writes bench/<out>.md, .json and .png (`tools.harness.write_outputs`). Float32 on CPU.
 """
 from __future__ import annotations
 
@@ -39,31 +39,24 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import numpy as np
 
-from tools.bench_ar import cpu_name as cpu_model  # noqa: E402  (the CPU's model name, recorded with every bench)
+import specjax
+from specjax import tree as tree_lib
+from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter
+from specjax.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
+from specjax.widths import tree_widths
+from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_block_head,
+                           smoke_models, time_generation, with_speedup, write_outputs)
+from tools.profile_widths import draft_seconds
+from train.lm import repo_relative  # paths written down relative to the repo
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax import tree as tree_lib  # noqa: E402
-from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
-from specjax.models import family, transformer  # noqa: E402
-from specjax.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile  # noqa: E402
-from specjax.taps import tree_widths  # noqa: E402
-from train.lm import repo_relative  # noqa: E402  (paths written down relative to the repo)
-from tools.profile_widths import draft_seconds, smoke_block_head  # noqa: E402
-
-NEAR_TIE = 1e-4
 DPARA_BOUNDARIES = (2, 4)  # DPara chains that precompute only the first b boundaries (the rest after the fact)
 BLOCK_TREE = (6, 4, 16)  # a block drafter's tree row: depth (at most its block), top-k, nodes
 
@@ -169,20 +162,6 @@ def split_methods(text: str) -> list[str]:
     return out
 
 
-def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
-    n = len(prompts) // size * size
-    return [prompts[i:i + size] for i in range(0, n, size)]
-
-
-def warmup_groups(groups):
-    """One group per compiled shape (prompts are padded to the engine's bucket)."""
-    from specjax.engine import PROMPT_BUCKET
-    seen = {}
-    for g in groups:
-        seen.setdefault(-(-max(len(p) for p in g) // PROMPT_BUCKET), g)
-    return list(seen.values())
-
-
 def method_drafter(target, drafters, m: Method):
     """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
     d = drafters[m.drafter]
@@ -196,74 +175,24 @@ def method_drafter(target, drafters, m: Method):
 
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
                draft_ms: dict | None = None) -> dict:
-    """One method's row. `draft_ms`: a cache {(drafter, confidence, tree, mode): ms} of the
-    drafter's propose + commit timed alone (see the module docstring); None skips that timing."""
+    """One method's row (`tools.harness.time_generation` + `generation_row`). `draft_ms`: a cache
+    {(drafter, confidence, tree, mode): ms} of the drafter's propose + commit timed alone (see the
+    module docstring); None skips that timing."""
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
     drafter = None
     if m.drafter is not None:
         drafter = method_drafter(target, drafters, m)
         kw.update(drafters=[drafter], tree=m.tree, verify=m.verify)
-    for g in warmup_groups(groups):  # compile every prompt bucket (untimed), so repeats time decoding only
-        specjax.generate(target, g, seed=seed, **kw)
-    times, results = [], None
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        res = [specjax.generate(target, g, seed=seed + i, **kw) for i, g in enumerate(groups)]
-        times.append(time.perf_counter() - t0)
-        results = res
-    tokens = sum(int(x.lengths.sum()) for x in results)
-    row = {"method": m.name, "tokens_per_s": tokens / statistics.median(times), "seconds": statistics.median(times),
-           "tokens": tokens}
-    if m.drafter is not None:
-        rounds = np.concatenate([x.stats["rounds"] for x in results])
-        acc = np.concatenate([x.stats["accepted"] for x in results])
-        at_depth = np.concatenate([x.stats["accepted_at_depth"] for x in results])
-        row["tau"] = float(1 + acc.sum() / max(rounds.sum(), 1))
-        row["depth_acceptance"] = (at_depth.sum(0) / max(rounds.sum(), 1)).round(3).tolist()
-        row["mean_verify_width"] = mean_verify_width(results)
-        if all("drafted" in x.stats for x in results):  # a block drafter's
-            drafted = sum(int(x.stats["drafted"].sum()) for x in results)
-            row["mean_draft_len"] = drafted / max(int(rounds.sum()), 1)
-        if draft_ms is not None:
-            mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
-            key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries)
-            if key not in draft_ms:
-                draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
-                                                     mode=mode)
-            row["draft_ms"] = draft_ms[key]
-    else:
-        row["tau"] = 1.0
-    row["sequences"] = [s for x in results for s in x.sequences()]
+    results, times = time_generation(target, groups, repeats, seed=seed, **kw)
+    row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None)}
+    if m.drafter is not None and draft_ms is not None:
+        mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
+        key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries)
+        if key not in draft_ms:
+            draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
+                                                 mode=mode)
+        row["draft_ms"] = draft_ms[key]
     return row
-
-
-def mean_verify_width(results) -> float:
-    """Tree nodes the target verified per round over all rows (the engine's `verified_nodes`)."""
-    rounds = sum(int(x.stats["rounds"].sum()) for x in results)
-    return sum(int(x.stats["verified_nodes"].sum()) for x in results) / max(rounds, 1)
-
-
-def greedy_check(target, prompts, reference, candidate) -> dict:
-    """Counts identical rows, honest near-ties and real mismatches against the AR reference."""
-    exact = near = mismatch = 0
-    for p, a, b in zip(prompts, reference, candidate):
-        if a == b:
-            exact += 1
-            continue
-        i = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
-        if i is None:
-            mismatch += 1
-            continue
-        ids = jnp.asarray([p + a[:i]], jnp.int32)
-        fam = family(target)  # a dense or a hybrid target
-        out = fam.prefill(target, ids, jnp.array([ids.shape[1]]), fam.init_cache(target, 1, ids.shape[1]))
-        logits = np.asarray(out.logits[0, -1], np.float64)
-        top = logits.max()
-        if top - logits[a[i]] <= NEAR_TIE and top - logits[b[i]] <= NEAR_TIE:
-            near += 1
-        else:
-            mismatch += 1
-    return {"exact": exact, "near_tie": near, "mismatch": mismatch}
 
 
 def hf_assisted(target_dir, draft_dir, prompts, new_tokens, repeats, batch: int = 1, threads: int = 1) -> list[dict]:
@@ -319,7 +248,7 @@ def llama_cpp_peer(gguf_file, prompts, new_tokens, repeats, threads: int = 2) ->
     """llama.cpp (llama-cpp-python, the `peers` extra) on the original GGUF: its greedy loop and its
     prompt-lookup speculative decoding (`LlamaPromptLookupDecoding`), batch 1 (its Python API decodes
     one sequence). It runs the file's quantized weights, so its tokens differ from ours: speed only.
-    Run in a child process (`tools/llama_cpp_peer.py`): llama.cpp beside torch and XLA in one process
+    Run in a child process (`python -m tools.llama_cpp_peer`): llama.cpp beside torch and XLA in one process
     crashed here (a segmentation fault), and a crash there must not lose the other rows."""
     import subprocess
     import tempfile
@@ -327,27 +256,12 @@ def llama_cpp_peer(gguf_file, prompts, new_tokens, repeats, threads: int = 2) ->
         spec = Path(tmp) / "prompts.json"
         spec.write_text(json.dumps({"gguf": str(gguf_file), "prompts": prompts, "new_tokens": new_tokens,
                                     "repeats": repeats, "threads": threads}))
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / "llama_cpp_peer.py"), str(spec)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "tools.llama_cpp_peer", str(spec)],
+                              capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:160]
         return [{"method": "llama.cpp", "unsupported": why}]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def smoke_models(seed=0):
-    """A tiny random target and a noisy copy of it (an lm drafter that is often, not always, right).
-    Shared by the tools' --smoke modes."""
-    from flax import nnx
-    cfg = specjax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    target = transformer.init_model(cfg, seed)
-    draft = transformer.init_model(cfg, seed)
-    leaves, tdef = jax.tree.flatten(nnx.state(draft, nnx.Param))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.1 * jnp.std(x) * jax.random.normal(k, x.shape)
-                                               for x, k in zip(leaves, keys)]))
-    return cfg, target, draft
 
 
 def smoke_setup(seed=0):
@@ -387,7 +301,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
             if args.verify_profile:
                 raise ValueError(f"--verify-profile {path}: no such file")
             log(f"[bench] no verify-width profile {path}: no '{name} {chain} schedule' methods "
-                f"(make one: python tools/profile_widths.py --target {args.target} --batch {args.batch})")
+                f"(make one: python -m tools.profile_widths --target {args.target} --batch {args.batch})")
             continue
         try:
             out[name], used = costs_from_profile(load_profile(path), args.batch, widths), repo_relative(path)
@@ -438,38 +352,31 @@ def chat_prompts(target_dir, tok, path, n) -> list[list[int]]:
     return [tok.encode(render_chat(target_dir, r["messages"])).ids for r in rows]
 
 
-def write_outputs(rows, meta, out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Speculative decoding benchmark ({meta['setup']})", "",
-             f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
-             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']} "
-             f"({meta.get('cpu', 'CPU model not recorded')}); "
-             f"load average before the run {meta['load_avg']}.", "",
-             f"Command: `{meta['command']}`", "",
-             f"| method | tokens/s | speedup vs our AR | vs {meta.get('hf_peer') or 'transformers (not run)'} | tau | "
-             "per-depth acceptance | draft ms / round | mean verify width | greedy check (exact / near-tie / mismatch) |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---|"]
-    for r in rows:
-        if "unsupported" in r:
-            lines.append(f"| {r['method']} | unsupported: {r['unsupported']} | | | | | | | |")
-            continue
-        chk = r.get("check")
-        check = "" if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
-        vs_hf = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
-        draft = f"{r['draft_ms']:.2f}" if "draft_ms" in r else ""
-        width = f"{r['mean_verify_width']:.2f}" if "mean_verify_width" in r else ""
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | {vs_hf} | "
-                     f"{r.get('tau', float('nan')):.2f} | {r.get('depth_acceptance', '')} | {draft} | {width} | {check} |")
-    lines += ["", "Draft ms / round: the drafter's propose + commit alone, jitted (16 in one `fori_loop` on the state "
-              "after a prefill of the first batch and one round; median after a warm-up). Mean verify width: tree "
-              "nodes the target verified per round, root included (below the tree's size when drafts are cut)."
-              + (f" DSpark schedule costs: {meta['verify_profile']}." if meta.get("verify_profile") else "")]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "sequences"}
-                                                                            for r in rows]}, indent=2) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _check_cell(r):
+    chk = r.get("check")
+    return None if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
+
+
+def _measured(key, fmt):
+    """A cell of a measured row; a peer that could not run says why in its tokens/s cell only."""
+    return lambda r: None if "unsupported" in r or r.get(key) is None else fmt.format(r[key])
+
+
+def table_columns(meta) -> list[Column]:
+    return [Column("method", "method", right=False),
+            Column("tokens/s", lambda r: f"unsupported: {r['unsupported']}" if "unsupported" in r
+                   else f"{r['tokens_per_s']:.1f}"),
+            Column("speedup vs our AR", _measured("speedup", "{:.2f}x")),
+            Column(f"vs {meta.get('hf_peer') or 'transformers (not run)'}", _measured("vs_hf", "{:.2f}x")),
+            Column("tau", _measured("tau", "{:.2f}")),
+            Column("per-depth acceptance", _measured("depth_acceptance", "{}"), right=False),
+            Column("draft ms / round", _measured("draft_ms", "{:.2f}")),
+            Column("mean verify width", _measured("mean_verify_width", "{:.2f}")),
+            Column("greedy check (exact / near-tie / mismatch)", _check_cell, right=False)]
+
+
+def plot_rows(plt, rows, meta):
+    """Speedup and tau per method (the rows with tokens/s)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     rows = [r for r in rows if "tokens_per_s" in r]
     names = [r["method"] for r in rows]
@@ -480,7 +387,21 @@ def write_outputs(rows, meta, out: Path):
     axes[1].set_xlabel("tau (mean acceptance length)")
     fig.suptitle(f"specjax speculative decoding — {meta['setup']}")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    return fig
+
+
+def write_bench_outputs(rows, meta, out: Path) -> Path:
+    """bench/<out>.md, .json and .png through the harness (`tools.harness.write_outputs`)."""
+    intro = [f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
+             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
+             f"load average {meta['load_avg']:.2f}."]
+    notes = ["Draft ms / round: the drafter's propose + commit alone, jitted (16 in one `fori_loop` on the state "
+             "after a prefill of the first batch and one round; median after a warm-up). Mean verify width: tree "
+             "nodes the target verified per round, root included (below the tree's size when drafts are cut)."
+             + (f" DSpark schedule costs: {meta['verify_profile']}." if meta.get("verify_profile") else "")]
+    return write_outputs(out, meta, rows, table_columns(meta), plot_rows,
+                         title=f"Speculative decoding benchmark ({meta['setup']})", intro=intro,
+                         notes=notes)
 
 
 def plot_budgets(rows, meta, out: Path):
@@ -524,7 +445,8 @@ def plot_budgets(rows, meta, out: Path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="lm drafter ('' for none)")
     ap.add_argument("--feature", default=None,
@@ -553,12 +475,12 @@ def main(argv=None):
                     help="confidence threshold of the 'dspark ... conf=T' methods (default 0.5)")
     ap.add_argument("--verify-profile", default=None,
                     help="verify-width profile for the 'dspark ... schedule' methods (default: "
-                         "bench/verify_profile_<target name>.json where it exists; tools/profile_widths.py)")
+                         "bench/verify_profile_<target name>.json where it exists; python -m tools.profile_widths)")
     ap.add_argument("--no-draft-ms", action="store_true", help="skip timing each drafter's propose + commit alone")
     ap.add_argument("--tree-budgets", default=None, metavar="N,N,...",
                     help="best-first trees (ddtree / treeflash / TAPS) of the block drafters at these node budgets")
     ap.add_argument("--taps-profile", default=None,
-                    help="a verify-width profile of a TAPS tree (tools/profile_widths.py --tree ...select=taps): "
+                    help="a verify-width profile of a TAPS tree (python -m tools.profile_widths --tree ...select=taps): "
                          "the TAPS rows choose their verify budget per round")
     ap.add_argument("--plot-budgets", action="store_true", help="also plot tau and tokens/s against the node budget")
     ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "chat"],
@@ -654,7 +576,7 @@ def main(argv=None):
         row["temperature"] = m.temperature
         if m.drafter is None:
             ar[m.temperature] = row
-        row["speedup"] = row["tokens_per_s"] / ar[m.temperature]["tokens_per_s"]
+        with_speedup(row, ar[m.temperature])
         if m.temperature == 0 and m.drafter is not None:
             row["check"] = greedy_check(target, flat, ar[0.0]["sequences"], row["sequences"])
         rows.append(row)
@@ -676,7 +598,7 @@ def main(argv=None):
             hf_rows += llama_cpp_peer(args.llama_cpp, flat, args.new_tokens, args.repeats)
         for r in hf_rows:
             if "tokens_per_s" in r:
-                r["speedup"] = r["tokens_per_s"] / ar[0.0]["tokens_per_s"]
+                with_speedup(r, ar[0.0])
         # The peer to beat: transformers' fastest speculative variant on the same prompts.
         peers = [r for r in hf_rows if "tokens_per_s" in r and r["method"].startswith("hf ") and r["method"] != "hf ar"
                  and " batch " not in r["method"]]
@@ -692,17 +614,15 @@ def main(argv=None):
             meta_hf = best["method"] + (" (its speculative variants are unsupported here)"
                                         if best["method"] == "hf ar" else "")
         rows += hf_rows
-    meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
-            "kind": "random" if args.smoke else args.kind, "n_prompts": len(flat), "new_tokens": args.new_tokens,
-            "batch": args.batch, "repeats": args.repeats, "device": jax.devices()[0].device_kind,
-            "platform": platform.platform(), "cpu": cpu_model(), "load_avg": os.getloadavg()[0],
-            "command": "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "hf_peer": meta_hf, "verify_profile": profile_used, "dspark_threshold": args.dspark_threshold}
-    write_outputs(rows, meta, Path(args.out))
+    meta = run_meta("bench", argv, setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
+                    kind="random" if args.smoke else args.kind, n_prompts=len(flat), new_tokens=args.new_tokens,
+                    batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
+                    dspark_threshold=args.dspark_threshold)
+    md = write_bench_outputs(rows, meta, Path(args.out))
     Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:
-        plot_budgets(rows, meta, Path(args.out))
-    print(Path(args.out).with_suffix(".md").read_text())
+        plot_budgets(rows, meta, md.with_suffix(""))
+    print(md.read_text())
     bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]
     if bad:
         print(f"GREEDY MISMATCH in {bad}", file=sys.stderr)

@@ -22,40 +22,35 @@ against the lossless greedy output of the same prompts:
                  the prompt) minus that of the lossless output (0 for a lossless method)
 The table states the first δ at which the valid-Python rate falls below 93% of the lossless rate.
 
-    python tools/bench_adaptive.py                 # code-target + code-draft (+ --drafter dspark=...)
-    python tools/bench_adaptive.py --smoke         # tiny random models: checks the tool
+    python -m tools.bench_adaptive                 # code-target + code-draft (+ --drafter dspark=...)
+    python -m tools.bench_adaptive --smoke         # tiny random models: checks the tool
 
-Writes bench/bench_adaptive.{md,json,png}. Float32 on CPU; the CPU model goes with every number.
+Writes bench/bench_adaptive.{md,json,png} (`tools.harness.write_outputs`). Float32 on CPU; the CPU
+model goes with every number.
 """
 from __future__ import annotations
 
 import argparse
 import codeop
 import gc
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax import tree as tree_lib  # noqa: E402
-from specjax.adaptive import CALIBRATION_FILE, AdaptiveShape, adaptive_widths, read_calibration  # noqa: E402
-from specjax.models import family  # noqa: E402
-from tools.bench import batches, greedy_check, mean_verify_width, warmup_groups  # noqa: E402
-from tools.bench_ar import cpu_name  # noqa: E402
-from tools.profile_widths import profile_rows  # noqa: E402
-from train.lm import repo_relative  # noqa: E402
+import specjax
+from specjax import tree as tree_lib
+from specjax.adaptive import CALIBRATION_FILE, AdaptiveShape, read_calibration
+from specjax.widths import adaptive_widths
+from specjax.models import family
+from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, time_generation,
+                           with_speedup, write_outputs)
+from tools.profile_widths import profile_rows
+from train.lm import repo_relative
 
 VALID_FRACTION = 0.93  # the issue's bar: valid-Python rate >= 93% of lossless
 
@@ -104,26 +99,12 @@ def mean_logprob(target, prompts, seqs) -> float:
 
 
 def run(target, groups, new_tokens, repeats, **kw) -> dict:
-    """tokens/s (median of `repeats` after a warm-up per prompt bucket), stats, sequences."""
+    """tokens/s (median of `repeats` after a warm-up per prompt bucket), stats, sequences
+    (`tools.harness.time_generation` + `generation_row`; group i runs with seed i)."""
     kw = dict(max_new_tokens=new_tokens, eos_token_id=(), **kw)
-    for g in warmup_groups(groups):
-        specjax.generate(target, g, **kw)
-    times, results = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        results = [specjax.generate(target, g, seed=i, **kw) for i, g in enumerate(groups)]
-        times.append(time.perf_counter() - t0)
-    tokens = sum(int(x.lengths.sum()) for x in results)
-    row = {"tokens_per_s": tokens / statistics.median(times), "seconds": statistics.median(times), "tokens": tokens,
-           "sequences": [s for x in results for s in x.sequences()], "lossless": all(x.lossless for x in results)}
-    if kw.get("drafters"):
-        rounds = sum(int(x.stats["rounds"].sum()) for x in results)
-        row["tau"] = 1 + sum(int(x.stats["accepted"].sum()) for x in results) / max(rounds, 1)
-        row["mean_verify_width"] = mean_verify_width(results)
-        if all("adaptive_depth" in x.stats for x in results):
-            row["mean_adaptive_depth"] = sum(int(x.stats["adaptive_depth"].sum()) for x in results) / max(rounds, 1)
-    else:
-        row["tau"] = 1.0
+    results, times = time_generation(target, groups, repeats, seed=0, **kw)
+    row = generation_row(results, times, speculative=bool(kw.get("drafters")))
+    row["lossless"] = all(x.lossless for x in results)
     jax.clear_caches()
     gc.collect()
     return row
@@ -149,7 +130,8 @@ def parse_drafters(items) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_adaptive",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
                     help="a drafter with scores (lm / feature / block directory); repeatable (default lm=models/code-draft)")
@@ -280,7 +262,7 @@ def main(argv=None) -> int:
     ref_valid = [valid_python(p, c) for p, c in zip(texts, ref_text)] if tok is not None else [True] * len(ref)
     ref_lp = mean_logprob(target, flat, ref)
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        with_speedup(r, ar)
         r["agreement"], r["prefix"] = agreement(ref, r["sequences"])
         text = completions_text(tok, r["sequences"])
         valid = ([valid_python(p, c) for p, c in zip(texts, text)] if tok is not None
@@ -291,16 +273,14 @@ def main(argv=None) -> int:
         if r["kind"] in ("fixed", "adaptive"):
             r["check"] = greedy_check(target, flat, ref, r["sequences"])
     below = [r["margin"] for r in rows if r["kind"] == "margin" and r["valid_vs_lossless"] < VALID_FRACTION]
-    meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
-            "n_prompts": len(flat), "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
-            "device": jax.devices()[0].device_kind, "cpu": cpu_name(), "platform": platform.platform(),
-            "load_avg": os.getloadavg()[0], "drafters": {n: repo_relative(d) for n, d in drafter_dirs} if not args.smoke else {},
-            "command": "python tools/bench_adaptive.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "lossless_valid_python": float(np.mean(ref_valid)), "margin_tree": mtree,
-            "first_margin_below_93pct_valid": min(below) if below else None,
-            "profiles": {f"{n} {t}": p for (n, t), p in profiles.items()}, "calibrations": calibrations}
-    write_outputs(rows, meta, Path(args.out))
-    print(Path(args.out).with_suffix(".md").read_text())
+    meta = run_meta("bench_adaptive", argv,
+                    setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
+                    n_prompts=len(flat), new_tokens=args.new_tokens, batch=args.batch, repeats=args.repeats,
+                    drafters={n: repo_relative(d) for n, d in drafter_dirs} if not args.smoke else {},
+                    lossless_valid_python=float(np.mean(ref_valid)), margin_tree=mtree,
+                    first_margin_below_93pct_valid=min(below) if below else None,
+                    profiles={f"{n} {t}": p for (n, t), p in profiles.items()}, calibrations=calibrations)
+    print(write_adaptive_outputs(rows, meta, Path(args.out)).read_text())
     bad = [r["method"] for r in rows if r.get("check", {}).get("mismatch")]
     if bad:
         print(f"GREEDY MISMATCH in {bad}", file=sys.stderr)
@@ -308,37 +288,28 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_outputs(rows, meta, out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# AdaptiveSpec: adaptive tree shape and margin verification ({meta['setup']})", "",
-             f"{meta['n_prompts']} prompts (whole functions, test split), {meta['new_tokens']} new tokens each, batch "
-             f"{meta['batch']}, median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']} "
-             f"({meta['cpu']}); load average before the run {meta['load_avg']:.2f}.", "",
-             f"Command: `{meta['command']}`", "",
-             "| method | lossless | tokens/s | speedup vs our AR | tau | mean verify width | agreement | prefix | "
-             "valid Python (vs lossless) | Δ log-lik / token | greedy check |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        chk = r.get("check")
-        check = "" if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
-        width = f"{r['mean_verify_width']:.2f}" if "mean_verify_width" in r else ""
-        if "mean_adaptive_depth" in r:
-            width += f" (depth {r['mean_adaptive_depth']:.2f})"
-        lines.append(f"| {r['method']} | {'yes' if r['lossless'] else '**no**'} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tau']:.2f} | {width} | {r['agreement']:.3f} | {r['prefix']:.3f} | "
-                     f"{r['valid_python']:.2f} ({r['valid_vs_lossless']:.2f}) | {r['delta_loglik']:+.3f} | {check} |")
-    first = meta["first_margin_below_93pct_valid"]
-    lines += ["", f"Lossless greedy output compiles in {meta['lossless_valid_python']:.0%} of completions. "
-              + (f"The valid-Python rate first drops below 93% of lossless at δ = {first:g}."
-                 if first is not None else "No δ of the grid drops the valid-Python rate below 93% of lossless."),
-              "Greedy check: exact / near-tie / mismatch against autoregressive output (lossless rows only). "
-              "Mean verify width: target nodes per round, root included (the adaptive rows: and the verified tree's mean depth)."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "sequences"}
-                                                                            for r in rows]}, indent=2) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _check_cell(r):
+    chk = r.get("check")
+    return None if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
+
+
+def _width_cell(r):
+    if "mean_verify_width" not in r:
+        return None
+    return f"{r['mean_verify_width']:.2f}" + (f" (depth {r['mean_adaptive_depth']:.2f})" if "mean_adaptive_depth" in r else "")
+
+
+COLUMNS = [Column("method", "method", right=False),
+           Column("lossless", lambda r: "yes" if r["lossless"] else "**no**", right=False),
+           Column("tokens/s", "tokens_per_s", "{:.1f}"), Column("speedup vs our AR", "speedup", "{:.2f}x"),
+           Column("tau", "tau", "{:.2f}"), Column("mean verify width", _width_cell),
+           Column("agreement", "agreement", "{:.3f}"), Column("prefix", "prefix", "{:.3f}"),
+           Column("valid Python (vs lossless)", lambda r: f"{r['valid_python']:.2f} ({r['valid_vs_lossless']:.2f})"),
+           Column("Δ log-lik / token", "delta_loglik", "{:+.3f}"),
+           Column("greedy check", _check_cell, right=False)]
+
+
+def plot_adaptive(plt, rows, meta):
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.5), gridspec_kw={"wspace": 0.7})
     ar = next(r for r in rows if r["kind"] == "ar")
     margin = sorted([r for r in rows if r["kind"] == "margin"], key=lambda r: r["margin"])
@@ -363,8 +334,23 @@ def write_outputs(rows, meta, out: Path):
     axes[1].legend(fontsize=7)
     fig.suptitle(f"AdaptiveSpec — {meta['setup']} ({meta['cpu']})")
     fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.12)
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    return fig
 
+
+def write_adaptive_outputs(rows, meta, out: Path) -> Path:
+    """<out>.md, .json and .png through the harness (`tools.harness.write_outputs`)."""
+    intro = [f"{meta['n_prompts']} prompts (whole functions, test split), {meta['new_tokens']} new tokens each, batch "
+             f"{meta['batch']}, median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
+             f"load average {meta['load_avg']:.2f}."]
+    first = meta["first_margin_below_93pct_valid"]
+    notes = [f"Lossless greedy output compiles in {meta['lossless_valid_python']:.0%} of completions. "
+             + (f"The valid-Python rate first drops below 93% of lossless at δ = {first:g}."
+                if first is not None else "No δ of the grid drops the valid-Python rate below 93% of lossless."),
+             "Greedy check: exact / near-tie / mismatch against autoregressive output (lossless rows only). "
+             "Mean verify width: target nodes per round, root included (the adaptive rows: and the verified tree's mean depth)."]
+    return write_outputs(out, meta, rows, COLUMNS, plot_adaptive,
+                         title=f"AdaptiveSpec: adaptive tree shape and margin verification ({meta['setup']})",
+                         intro=intro, notes=notes)
 
 if __name__ == "__main__":
     sys.exit(main())

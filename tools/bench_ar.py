@@ -1,7 +1,7 @@
 """Autoregressive decoding speed: specjax.generate against transformers' generate, same weights.
 
-    python tools/bench_ar.py                         # random 25M model, prompt 128, 128 new tokens
-    python tools/bench_ar.py --model DIR             # any Llama / Qwen2 / Qwen3 checkpoint (HF format)
+    python -m tools.bench_ar                         # random 25M model, prompt 128, 128 new tokens
+    python -m tools.bench_ar --model DIR             # any Llama / Qwen2 / Qwen3 checkpoint (HF format)
 
 Greedy, float32, CPU, a fixed number of new tokens (EOS disabled on both sides), batch 1 and 4 by
 default. Every configuration runs once untimed (compilation for specjax, first-call overhead for
@@ -16,21 +16,22 @@ transformers runs eagerly under torch.inference_mode with its dynamic cache and,
 its static cache (`cache_implementation="static"`; generate does not torch.compile on CPU).
 The tool checks that specjax's greedy tokens equal transformers' and says so.
 
-Writes the table to stdout and to `<out>.md`, all raw timings to `<out>.json` (default bench/bench_ar).
+Writes the table to stdout and to `<out>.md`, all raw timings to `<out>.json` (default bench/bench_ar;
+`tools.harness.write_outputs`).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from tools.harness import Column, cpu_name, run_meta, write_outputs
 
 SIZES = {
     # d_model, layers, heads, kv heads, head_dim, intermediate, vocab (tied embeddings): the
@@ -43,7 +44,8 @@ SIZES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_ar",
+                                description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR", help="checkpoint in Hugging Face format")
     src.add_argument("--random-size", choices=sorted(SIZES), default="25m",
@@ -71,29 +73,6 @@ def make_random_model(size: str, seed: int, max_positions: int, path: str):
     cfg = specjax.ModelConfig(**SIZES[size], model_type="llama", tie_word_embeddings=True,
                               max_position_embeddings=max_positions, rms_norm_eps=1e-5)
     specjax.save_model(specjax.init_model(cfg, seed=seed), path)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median ms of `fn()` (blocked on: jitted calls) over `repeats` calls after a warm-up call."""
-    import jax
-    jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -201,40 +180,26 @@ def main(argv=None) -> int:
            "load_avg_1m": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"}
     if caches:
         env.update(torch=torch.__version__, transformers=transformers.__version__, torch_threads=torch.get_num_threads())
-    command = "python " + " ".join(shlex.quote(a) for a in ["tools/bench_ar.py", *(sys.argv[1:] if argv is None else argv)])
-    lines = [
-        "# Autoregressive decoding: specjax vs transformers",
-        "",
-        f"Command: `{command}`  ",
-        f"Model: {model_name}: {cfg.model_type}, {n_params / 1e6:.1f}M parameters, d_model {cfg.hidden_size}, "
-        f"{cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, head_dim {cfg.head_dim}, "
-        f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}{', tied' if cfg.tie_word_embeddings else ''}  ",
-        f"Workload: float32, greedy, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (EOS disabled), "
-        f"median of {args.repeats} repeats after one warm-up  ",
-        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()),
-        "",
-        "| batch | library | cache | e2e ms/token | decode ms/token | tok/s | same greedy tokens as specjax |",
-        "|---:|---|---|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['batch']} | {r['library']} | {r['cache']} | failed: {r['error'][:80]} | | | |")
-        else:
-            lines.append(f"| {r['batch']} | {r['library']} | {r['cache']} | {r['e2e_ms_per_token']:.2f} | "
-                         f"{r['decode_ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | {r['match']} |")
-    lines += ["", "e2e ms/token = t(N) / N with prefill included; decode ms/token = (t(N) - t(1)) / (N - 1); "
-              "one token = one decoding step of the whole batch; tok/s = batch * N / t(N)."]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "model": model_name, "params": n_params, "config": cfg.to_hf(),
-                   "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                   "env": env, "rows": rows}, f, indent=2)
+    meta = run_meta("bench_ar", argv, model=model_name, params=n_params, config=cfg.to_hf(),
+                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, env=env)
+    intro = [f"Model: {model_name}: {cfg.model_type}, {n_params / 1e6:.1f}M parameters, d_model {cfg.hidden_size}, "
+             f"{cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, head_dim {cfg.head_dim}, "
+             f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}{', tied' if cfg.tie_word_embeddings else ''}  ",
+             f"Workload: float32, greedy, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (EOS disabled), "
+             f"median of {args.repeats} repeats after one warm-up  ",
+             "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    failed = lambda k, fmt: lambda r: None if "error" in r else fmt.format(r[k])  # noqa: E731
+    columns = [Column("batch", "batch"), Column("library", "library", right=False), Column("cache", "cache", right=False),
+               Column("e2e ms/token", lambda r: f"failed: {r['error'][:80]}" if "error" in r
+                      else f"{r['e2e_ms_per_token']:.2f}"),
+               Column("decode ms/token", failed("decode_ms_per_token", "{:.2f}")),
+               Column("tok/s", failed("tokens_per_s", "{:.0f}")),
+               Column("same greedy tokens as specjax", failed("match", "{}"), right=False)]
+    notes = ["e2e ms/token = t(N) / N with prefill included; decode ms/token = (t(N) - t(1)) / (N - 1); "
+             "one token = one decoding step of the whole batch; tok/s = batch * N / t(N)."]
+    md = write_outputs(args.out, meta, rows, columns, title="Autoregressive decoding: specjax vs transformers",
+                       intro=intro, notes=notes)
+    print(md.read_text())
     return 0
 
 

@@ -16,18 +16,18 @@ glue): jaxpr equations of the traced program, sub-jaxprs included (a proxy for w
 lowering and XLA work on). And the CLI's wall time for the issue's command
 (`python -m specjax generate ... --drafter models/code-draft --tree chain=4`), cold and warm.
 
-    python tools/bench_compile.py                     # the zoo
-    python tools/bench_compile.py --configs "ar,lm chain=4"
-    python tools/bench_compile.py --smoke             # tiny random models (what the test runs)
+    python -m tools.bench_compile                     # the zoo
+    python -m tools.bench_compile --configs "ar,lm chain=4"
+    python -m tools.bench_compile --smoke             # tiny random models (what the test runs)
 
-Writes <out>.md and <out>.json (default bench/bench_compile).
+Writes <out>.md and <out>.json (default bench/bench_compile; `tools.harness.write_outputs`). Each
+child process is `python -m tools.bench_compile --child ...`, run from the repository root.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.harness import REPO, Column, run_meta, write_outputs
+
 T_START = time.perf_counter()
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 PROMPT = "def add(a, b):"
 NEW_TOKENS = 24
@@ -112,9 +112,9 @@ def jaxpr_parts(closed) -> dict[str, int]:
 def load(name: str, smoke: bool):
     import specjax
     if smoke:
-        from tools.bench import smoke_models
         from specjax.drafters import LMDrafter, NgramDrafter
         from specjax import treegraft
+        from tools.harness import smoke_models
         _, target, draft = smoke_models()
         prompt = [3, 5, 7, 11, 13, 5, 7, 11]
         drafters = {"ar": [], "lm chain=4": [LMDrafter(draft)], "ngram chain=6": [NgramDrafter()],
@@ -205,7 +205,7 @@ def child(args) -> dict:
 def run_child(name: str, cache: str, smoke: bool, parts: bool) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--cache", cache, "--child-out", path]
+    cmd = [sys.executable, "-m", "tools.bench_compile", "--child", name, "--cache", cache, "--child-out", path]
     cmd += ["--smoke"] * smoke + ["--parts"] * parts
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
@@ -227,34 +227,41 @@ def cli_wall(cache: str) -> float:
     return time.perf_counter() - t0
 
 
-def render(rows: list[dict], cli: dict | None, meta: dict) -> str:
-    f = lambda x: f"{x:.2f}"  # noqa: E731
-    lines = [f"# Compile time of the generation programs ({meta['setup']})", "",
-             f"`{meta['command']}`; {meta['cpu']}, {meta['platform']}, load {meta['load_avg']:.2f}. One prompt, "
-             f"{NEW_TOKENS} new tokens, batch 1; each row a fresh process. Seconds: trace / lower / XLA compile "
-             "(unions of JAX's compile-event spans), their union, the first generate call and a second one "
-             "(the run alone), the process.", "",
-             "| config | cache | trace | lower | XLA compile | compile total | first call | run | process | cache hits |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {'warm' if r['cache_hits'] else 'cold'} | {f(r['trace_s'])} | {f(r['lower_s'])} | "
-                     f"{f(r['compile_s'])} | {f(r['compile_total_s'])} | {f(r['first_call_s'])} | {f(r['run_s'])} | "
-                     f"{f(r['process_s'])} | {r['cache_hits']} |")
+_f = "{:.2f}"
+COLUMNS = [Column("config", "config", right=False),
+           Column("cache", lambda r: "warm" if r["cache_hits"] else "cold", right=False),
+           Column("trace", "trace_s", _f), Column("lower", "lower_s", _f), Column("XLA compile", "compile_s", _f),
+           Column("compile total", "compile_total_s", _f), Column("first call", "first_call_s", _f),
+           Column("run", "run_s", _f), Column("process", "process_s", _f), Column("cache hits", "cache_hits")]
+
+
+def write_compile_outputs(rows: list[dict], cli: dict | None, meta: dict, out: Path) -> Path:
+    """<out>.md and .json ({"meta", "rows", "cli"}) through the harness."""
+    intro = [f"{meta['platform']}, load {meta['load_avg']:.2f}. One prompt, {NEW_TOKENS} new tokens, batch 1; each row "
+             "a fresh process. Seconds: trace / lower / XLA compile (unions of JAX's compile-event spans), their "
+             "union, the first generate call and a second one (the run alone), the process."]
+    notes = []
     parted = [r for r in rows if "jaxpr_eqns_by_part" in r]
     if parted:
         cols = list(PARTS) + ["other"]
-        lines += ["", "Where the program's size goes: jaxpr equations of the generation program per part of the round "
+        notes += ["Where the program's size goes: jaxpr equations of the generation program per part of the round "
                   "(sub-jaxprs included; the share of the whole in brackets).", "",
                   "| config | " + " | ".join(cols) + " | total |", "|---|" + "---:|" * (len(cols) + 1)]
         for r in parted:
             c = r["jaxpr_eqns_by_part"]
             n = sum(c.values())
-            lines.append(f"| {r['config']} | " + " | ".join(f"{c.get(k, 0)} ({100 * c.get(k, 0) / n:.0f}%)" for k in cols)
+            notes.append(f"| {r['config']} | " + " | ".join(f"{c.get(k, 0)} ({100 * c.get(k, 0) / n:.0f}%)" for k in cols)
                          + f" | {n} |")
     if cli:
-        lines += ["", f"CLI wall time, `python -m specjax generate {' '.join(CLI)}` (process start to exit): "
+        notes += ["", f"CLI wall time, `python -m specjax generate {' '.join(CLI)}` (process start to exit): "
                   f"cold {cli['cold_s']:.2f} s, warm (same cache folder) {cli['warm_s']:.2f} s."]
-    return "\n".join(lines) + "\n"
+    return write_outputs(out, meta, rows, COLUMNS, title=f"Compile time of the generation programs ({meta['setup']})",
+                         intro=intro, notes=notes, extra={"cli": cli})
+
+
+AB_COLUMNS = [Column("config", "config", right=False), Column("new tokens", "new_tokens"),
+              Column("loop", "loop_s", "{:.3f}"), Column("unrolled", "unrolled_s", "{:.3f}"),
+              Column("loop / unrolled", lambda r: f"{r['loop_s'] / r['unrolled_s']:.3f}")]
 
 
 def ab_child(args) -> dict:
@@ -286,7 +293,7 @@ def runtime_ab(names: list[str], smoke: bool, repeats: int, new_tokens: int, rou
             for form in times:
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                     path = f.name
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--ab-form", form,
+                cmd = [sys.executable, "-m", "tools.bench_compile", "--child", name, "--ab-form", form,
                        "--repeats", str(repeats), "--new-tokens", str(new_tokens), "--child-out", path]
                 proc = subprocess.run(cmd + ["--smoke"] * smoke, capture_output=True, text=True,
                                       env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
@@ -304,7 +311,8 @@ def runtime_ab(names: list[str], smoke: bool, repeats: int, new_tokens: int, rou
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_compile",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=None, help=f"comma-separated names (a dynamic tree keeps its commas) from {list(CONFIGS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--no-cli", action="store_true", help="skip the CLI wall-time rows")
@@ -324,24 +332,21 @@ def main(argv=None):
         Path(args.child_out).write_text(json.dumps(ab_child(args) if args.ab_form else child(args)))
         return 0
     from tools.bench import split_methods
-    from tools.bench_ar import cpu_name
     known = ("ar", "lm chain=4", "ngram chain=6", "treegraft ngram+lm") if args.smoke else tuple(CONFIGS)
     if args.runtime_ab:
         names = split_methods(args.runtime_ab)
         if any(n not in known for n in names):
             ap.error(f"unknown configs {names}; choose from {list(known)}")
         rows = runtime_ab(names, args.smoke, args.repeats, args.new_tokens)
-        cmd = "python tools/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = "\n".join([f"Looped depths vs the unrolled expansion, `{cmd}`, {cpu_name()}, load "
-                          f"{os.getloadavg()[0]:.2f}: median seconds of one generate call (batch 1, one prompt, "
-                          "EOS ignored), each form in its own processes, alternated.", "",
-                          "| config | new tokens | loop | unrolled | loop / unrolled |", "|---|---:|---:|---:|---:|"]
-                         + [f"| {r['config']} | {r['new_tokens']} | {r['loop_s']:.3f} | {r['unrolled_s']:.3f} | "
-                            f"{r['loop_s'] / r['unrolled_s']:.3f} |" for r in rows]) + "\n"
+        meta = run_meta("bench_compile", argv, setup="smoke: tiny random models" if args.smoke else "zoo")
+        intro = [f"Load {meta['load_avg']:.2f}: median seconds of one generate call (batch 1, one prompt, EOS ignored), "
+                 "each form in its own processes, alternated."]
         if args.out:
-            Path(args.out).with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
-            Path(args.out).with_suffix(".md").write_text(text)
-        print(text)
+            print(write_outputs(args.out, meta, rows, AB_COLUMNS, title="Looped depths vs the unrolled expansion",
+                                intro=intro).read_text())
+        else:
+            from tools.harness import markdown_table, meta_header
+            print("\n".join(meta_header(meta) + [""] + intro + [""] + markdown_table(AB_COLUMNS, rows)))
         return 0
     names = split_methods(args.configs) if args.configs else list(known)
     bad = [n for n in names if n not in known]
@@ -365,13 +370,9 @@ def main(argv=None):
             cli = {"cold_s": cli_wall(str(cache)), "warm_s": cli_wall(str(cache))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    meta = {"setup": "smoke: tiny random models" if args.smoke else "zoo", "cpu": cpu_name(),
-            "platform": platform.platform(), "load_avg": os.getloadavg()[0], "new_tokens": NEW_TOKENS,
-            "command": "python tools/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "cli": cli}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(rows, cli, meta))
-    print(out.with_suffix(".md").read_text())
+    meta = run_meta("bench_compile", argv, setup="smoke: tiny random models" if args.smoke else "zoo",
+                    new_tokens=NEW_TOKENS)
+    print(write_compile_outputs(rows, cli, meta, out).read_text())
     return 0
 
 

@@ -7,18 +7,18 @@ verification forward; its critical path is head → verification, and the backbo
 the verification where the device runs independent work side by side.
 
 Per drafter, each stage in a jitted loop on the state after a real prefill and first round
-(`tools/bench_round.stage_split` + `block_stages`): the whole round, the drafter's propose, its
+(`tools.bench_round.stage_split` + `block_stages`): the whole round, the drafter's propose, its
 backbone pass, its head (block → draft), the target's verification forward, the verification walk,
 the drafter's commit, and the verification forward and the backbone pass in ONE loop body (what
 this device saves by overlapping them). Derived (`bench_round.critical_path`): the round along the
 critical path, the measured overlap saving, and the round with the backbone fully overlapped, with
-the tokens/s it implies from the measured τ of a `tools/bench.py` run (`--bench FILE.json`).
+the tokens/s it implies from the measured τ of a `python -m tools.bench` run (`--bench FILE.json`).
 
-    python tools/bench_critical_path.py                                 # zoo: code-target, -dspark, -dpara
-    python tools/bench_critical_path.py --bench bench/bench_spec_dpara.json
-    python tools/bench_critical_path.py --smoke                         # tiny random models (the test)
+    python -m tools.bench_critical_path                                 # zoo: code-target, -dspark, -dpara
+    python -m tools.bench_critical_path --bench bench/bench_spec_dpara.json
+    python -m tools.bench_critical_path --smoke                         # tiny random models (the test)
 
-Medians over repeats after a warm-up; float32. Writes bench/<out>.md and .json.
+Medians over repeats after a warm-up; float32. Writes bench/<out>.md and .json (`tools.harness.write_outputs`).
 """
 from __future__ import annotations
 
@@ -27,17 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax.drafters import BlockDrafter, load_drafter  # noqa: E402
-from tools.bench import cpu_model, smoke_models  # noqa: E402
-from tools.bench_round import critical_path, stage_split  # noqa: E402
-from tools.profile_widths import smoke_block_head  # noqa: E402
-from train.lm import repo_relative  # noqa: E402
+import specjax
+from specjax.drafters import BlockDrafter, load_drafter
+from tools.bench_round import critical_path, stage_split
+from tools.harness import REPO, run_meta, smoke_block_head, smoke_models, write_outputs
+from train.lm import repo_relative
 
 
 def setup(args):
@@ -61,13 +55,14 @@ def setup(args):
 
 
 def bench_rows(path) -> dict:
-    """{method name: row} of a tools/bench.py JSON (τ and tokens/s per method)."""
+    """{method name: row} of a `python -m tools.bench` JSON (τ and tokens/s per method)."""
     data = json.loads(Path(path).read_text())
     return {r["method"]: r for r in data["rows"]}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_critical_path",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--drafter", action="append", default=None, metavar="NAME=DIR",
                     help="block drafters (default: dspark=TARGET-dspark, dpara=TARGET-dpara)")
@@ -77,7 +72,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loops", type=int, default=16)
-    ap.add_argument("--bench", default=None, help="a tools/bench.py JSON with '<name> <tree>' rows: τ and tokens/s")
+    ap.add_argument("--bench", default=None, help="a `python -m tools.bench` JSON with '<name> <tree>' rows: τ and tokens/s")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -106,22 +101,19 @@ def main(argv=None) -> dict:
                        tokens_per_s_full_overlap=b["tokens_per_s"] * cp["measured round"] / cp["round with full overlap"])
         rows.append(row)
         print(f"[critical path] {name}{suffix} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in cp.items()), file=sys.stderr)
-    dev = jax.devices()[0]
-    meta = {"setup": label, "device": f"{dev.platform} ({cpu_model() if dev.platform == 'cpu' else dev.device_kind})",
-            "context": args.context, "repeats": args.repeats, "loops": args.loops,
-            "bench": repo_relative(args.bench) if args.bench else None,
-            "command": "python tools/bench_critical_path.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = run_meta("bench_critical_path", argv, setup=label, context=args.context, repeats=args.repeats,
+                    loops=args.loops, bench=repo_relative(args.bench) if args.bench else None)
+    if meta["backend"] == "cpu":  # the device column names the CPU there (as the older files did)
+        meta["device"] = f"cpu ({meta['cpu']})"
     write(rows, meta, out)
     return {"meta": meta, "rows": rows}
 
 
-def write(rows, meta, out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
+def write(rows, meta, out: Path) -> Path:
+    """<out>.md and .json through the harness; the stage table has one column per drafter."""
     names = [f"{r['drafter']} `{r['tree']}`" for r in rows]
-    lines = [f"# Critical path of a block drafter's round ({meta['setup']})", "",
-             f"float32 on {meta['device']}; prompt of {meta['context']} tokens; each stage in a jitted loop of "
+    lines = [f"float32 on {meta['device']}; prompt of {meta['context']} tokens; each stage in a jitted loop of "
              f"{meta['loops']}, median of {meta['repeats'] * 5} after a warm-up (ms per round).", "",
-             f"Command: `{meta['command']}`", "",
              "| stage (ms) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(rows)]
     keys = ["whole round", "draft (propose)", "drafter backbone pass", "drafter head (block -> draft)",
             "target forward (verification)", "verification forward + backbone pass, one program",
@@ -137,14 +129,12 @@ def write(rows, meta, out: Path):
                   "|---|---:|---:|---:|"]
         lines += [f"| {r['drafter']} {r['tree']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                   f"{r['tokens_per_s_full_overlap']:.1f} |" for r in rows if "tau" in r]
-    lines += ["", "Critical path: DSpark's backbone waits for the verification (it needs the bonus token and the "
-              "accepted tokens' features); DPara's does not (it drafts the next block for every acceptance boundary "
-              "of the draft it just made). \"round with full overlap\" = measured round − min(backbone, verification "
-              "forward) for DPara (DSpark: its measured round)."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')}", file=sys.stderr)
-
+    notes = ["Critical path: DSpark's backbone waits for the verification (it needs the bonus token and the "
+             "accepted tokens' features); DPara's does not (it drafts the next block for every acceptance boundary "
+             "of the draft it just made). \"round with full overlap\" = measured round − min(backbone, verification "
+             "forward) for DPara (DSpark: its measured round)."]
+    return write_outputs(out, meta, rows, None, title=f"Critical path of a block drafter's round ({meta['setup']})",
+                         intro=lines, notes=notes)
 
 if __name__ == "__main__":
     main()

@@ -2,9 +2,9 @@
 `attend` over `kvcache.visible_mask`) and `jax.nn.dot_product_attention`, over tree sizes and
 context lengths; and the FOLD far-attention kernel against its reference.
 
-    python tools/bench_kernels.py                  # on an NVIDIA GPU: trees 16-128 x contexts 1k-32k
-    python tools/bench_kernels.py --quick          # a short subset (a first look on a GPU)
-    python tools/bench_kernels.py --peak-gbps 900  # a GPU whose peak bandwidth is not in the table
+    python -m tools.bench_kernels                  # on an NVIDIA GPU: trees 16-128 x contexts 1k-32k
+    python -m tools.bench_kernels --quick          # a short subset (a first look on a GPU)
+    python -m tools.bench_kernels --peak-gbps 900  # a GPU whose peak bandwidth is not in the table
 
 Per configuration (B rows, T tree nodes, each row with `context` committed tokens and the T tree
 nodes in scratch slots, GQA with H query / K kv heads, head dim D): median time of one call
@@ -16,24 +16,23 @@ so a GPU run doubles as a correctness check; a float32 exactness check runs firs
 
 On CPU the Pallas kernel only runs in interpret mode, which says nothing about speed: the tool times
 the two reference paths (smaller defaults), and `--interpret` adds the interpret-mode kernel.
-Writes the tables to stdout and `<out>.md`, raw numbers to `<out>.json` (default bench/bench_kernels).
+Writes the tables to stdout and `<out>.md`, raw numbers to `<out>.json` (default bench/bench_kernels;
+`tools.harness.write_outputs`: one row per configuration and implementation, its "table" tree or far).
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tools.harness import REPO, run_meta, write_outputs
+
+ROOT = str(REPO)
 
 # Peak HBM bandwidth in GB/s, by substrings of jax's device_kind (first match wins).
 PEAK_GBPS = [
@@ -58,7 +57,8 @@ def peak_gbps(device_kind: str) -> float | None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_kernels",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", default=None, help="tree sizes T, comma-separated (GPU default 16,32,64,128; CPU 16,64)")
     p.add_argument("--contexts", default=None,
                    help="committed tokens per row (GPU default 1024,4096,16384,32768; CPU 256,1024,4096)")
@@ -290,34 +290,25 @@ def main(argv=None):
     tree_rows = bench_tree(args, gpu, kernel_impl, peak)
     far_rows = [] if args.no_far else bench_far(args, gpu, kernel_impl, peak)
 
-    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:])
-    md = ["# Tree-attention kernel benchmark\n",
-          f"`{cmd}` on {dev.device_kind} ({dev.platform}, jax {jax.__version__}, {platform.machine()}), "
-          f"{args.dtype}, batch {args.batch}, H={args.heads} K={args.kv_heads} D={args.head_dim}; "
-          f"peak bandwidth {peak or 'unknown'} GB/s. Median of 3 x {args.repeats} calls. GB/s counts the "
-          "bytes an ideal kernel moves (each row's visible K/V, q, out).\n"]
+    meta = run_meta("bench_kernels", argv, platform=dev.platform, machine=platform.machine(), dtype=args.dtype,
+                    peak_gbps=peak, args={**vars(args), "out": os.path.relpath(args.out, ROOT)},
+                    exactness={k: dict(max_rel_err=r, ok=o) for k, (r, o) in check.items()})
+    md = [f"{args.dtype}, batch {args.batch}, H={args.heads} K={args.kv_heads} D={args.head_dim} on {dev.device_kind} "
+          f"({dev.platform}, {platform.machine()}); peak bandwidth {peak or 'unknown'} GB/s. Median of 3 x "
+          f"{args.repeats} calls. GB/s counts the bytes an ideal kernel moves (each row's visible K/V, q, out).", ""]
     if check:
-        md.append("Float32 exactness vs the reference: " + ", ".join(
-            f"{k} {'OK' if ok else 'MISMATCH'} (max rel err {rel:.1e})" for k, (rel, ok) in check.items()) + "\n")
+        md += ["Float32 exactness vs the reference: " + ", ".join(
+            f"{k} {'OK' if ok else 'MISMATCH'} (max rel err {rel:.1e})" for k, (rel, ok) in check.items()), ""]
     if kernel_impl is None:
-        md.append("No NVIDIA GPU: the Pallas kernel is not timed (interpret mode says nothing about speed; "
-                  "`--interpret` adds it anyway).\n")
-    md.append("## Tree attention (T tree nodes over `context` committed tokens)\n")
-    md.append(_table(tree_rows, ["T", "context"]) + "\n")
+        md += ["No NVIDIA GPU: the Pallas kernel is not timed (interpret mode says nothing about speed; "
+               "`--interpret` adds it anyway).", ""]
+    md += ["## Tree attention (T tree nodes over `context` committed tokens)", "", _table(tree_rows, ["T", "context"])]
     if far_rows:
-        md.append("## FOLD far attention (8 queries over N keys, RoPE in the kernel)\n")
-        md.append(_table(far_rows, ["context"]) + "\n")
-    text = "\n".join(md)
-    print("\n" + text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(device=dev.device_kind, platform=dev.platform, args={**vars(args), "out": os.path.relpath(args.out, ROOT)}, peak_gbps=peak,
-                       exactness={k: dict(max_rel_err=r, ok=o) for k, (r, o) in check.items()},
-                       tree=tree_rows, far=far_rows), f, indent=1)
+        md += ["", "## FOLD far attention (8 queries over N keys, RoPE in the kernel)", "", _table(far_rows, ["context"])]
+    rows = [{"table": "tree", **r} for r in tree_rows] + [{"table": "far", **r} for r in far_rows]
+    path = write_outputs(args.out, meta, rows, None, title="Tree-attention kernel benchmark", intro=md)
+    print("\n" + path.read_text())
     print(f"wrote {args.out}.md and {args.out}.json")
-
 
 if __name__ == "__main__":
     main()

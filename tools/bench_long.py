@@ -11,17 +11,17 @@ all checked token for token against greedy autoregressive output:
     fold (both)      shared position and sharpening
 
 plus the drafter's attention entropy and mass on far keys at its first draft step (every layer,
-averaged; recomputed from the reference definition, `specjax.fold.attention_diagnostics`).
-Prompts come from `train.corpus.long_context_prompts` (the longest files of a split), cut so that
+averaged; recomputed from the reference definition, `specjax.fold_diagnostics.attention_diagnostics`).
+Prompts come from `train.prompts.long_context_prompts` (the longest files of a split), cut so that
 prompt + generated tokens + draft depth <= L. FOLD's window and lambda are chosen on the
 validation split (`--tune`: a small grid, best mean tau of "fold (both)" per drafter, written to
 <out>_tune.json and reused by later runs) and reported on the test split.
 
-    python tools/bench_long.py --tune          # the real measurement: tune on validation, report on test
-    python tools/bench_long.py                 # report only (tuned values from bench/bench_long_tune.json)
-    python tools/bench_long.py --smoke         # tiny random models, seconds (what the test runs)
+    python -m tools.bench_long --tune          # the real measurement: tune on validation, report on test
+    python -m tools.bench_long                 # report only (tuned values from bench/bench_long_tune.json)
+    python -m tools.bench_long --smoke         # tiny random models, seconds (what the test runs)
 
-Writes <out>.md, .json and .png (tau against context length). Float32.
+Writes <out>.md, .json and .png (tau against context length; `tools.harness.write_outputs`). Float32.
 """
 from __future__ import annotations
 
@@ -29,22 +29,16 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax import fold as fold_lib  # noqa: E402
-from specjax.fold import FoldConfig  # noqa: E402
+import specjax
+from specjax import fold as fold_lib, fold_diagnostics
+from specjax.fold import FoldConfig
+from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_models,
+                           time_generation, write_outputs)
 
 VARIANTS = ("plain", "shared position", "sharpen only", "fold (both)")
 TREES = {"lm": "chain=4", "feature": "chain=5"}
@@ -75,16 +69,8 @@ def smoke_setup(args):
     from flax import nnx
 
     from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter
-    from specjax.models import transformer
     V = 64
-    cfg = specjax.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, max_position_embeddings=300)
-    target = transformer.init_model(cfg, 0)
-    draft = transformer.init_model(cfg, 0)
-    leaves, tdef = jax.tree.flatten(nnx.state(draft, nnx.Param))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(draft, jax.tree.unflatten(tdef, [x + 0.05 * jnp.std(x) * jax.random.normal(k, x.shape)
-                                               for x, k in zip(leaves, keys)]))
+    cfg, target, draft = smoke_models(0, max_positions=300, noise=0.05)
     head = FeatureHead(FeatureConfig.for_target(cfg, target_layers=(0, 1)), nnx.Rngs(3))
     drafters = {"lm": LMDrafter(draft), "feature": FeatureDrafter(head, target)}
 
@@ -105,7 +91,7 @@ def smoke_setup(args):
 def zoo_setup(args):
     from specjax.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
-    from train import corpus
+    from train import prompts as prompt_sets
     target = specjax.load_model(args.target)
     tok = load_tokenizer(args.target)
     drafters = {}
@@ -114,7 +100,7 @@ def zoo_setup(args):
             drafters[name] = load_drafter(path, target, target_path=args.target)
 
     def prompts(split):
-        return corpus.long_context_prompts(tok, tuple(args.lengths), per_length=args.prompts, split=split)
+        return prompt_sets.long_context_prompts(tok, tuple(args.lengths), per_length=args.prompts, split=split)
 
     return target, drafters, prompts
 
@@ -127,31 +113,17 @@ def cut(prompt_sets: dict, L: int, new_tokens: int) -> list[list[int]]:
 
 
 def groups_of(prompts, size):
-    n = len(prompts) // size * size
-    return [prompts[i:i + size] for i in range(0, n, size)]
+    return batches(prompts, size)
 
 
 def timed(target, groups, new_tokens, repeats, drafter=None, tree=None, warm=True):
+    """tokens/s, tau and the sequences (`tools.harness.time_generation` + `generation_row`); `warm`:
+    one untimed call on the first group first (compiles); repeats 0 runs one pass."""
     kw = dict(max_new_tokens=new_tokens, eos_token_id=())
     if drafter is not None:
         kw.update(drafters=[drafter], tree=tree)
-    if warm:
-        specjax.generate(target, groups[0], **kw)  # compile (untimed)
-    times, results = [], None
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        results = [specjax.generate(target, g, **kw) for g in groups]
-        times.append(time.perf_counter() - t0)
-    tokens = sum(int(r.lengths.sum()) for r in results)
-    row = {"tokens_per_s": tokens / statistics.median(times), "seconds": statistics.median(times), "tokens": tokens,
-           "sequences": [s for r in results for s in r.sequences()]}
-    if drafter is not None:
-        rounds = np.concatenate([r.stats["rounds"] for r in results])
-        acc = np.concatenate([r.stats["accepted"] for r in results])
-        row["tau"] = float(1 + acc.sum() / max(rounds.sum(), 1))
-    else:
-        row["tau"] = 1.0
-    return row
+    results, times = time_generation(target, groups, repeats, warmup="first" if warm else None, **kw)
+    return generation_row(results, times, speculative=drafter is not None)
 
 
 def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:
@@ -167,7 +139,7 @@ def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:
         for window in args.tune_windows:
             for lam in args.tune_lambdas:
                 cfg = dataclasses.replace(base, window=window, sharpen=lam, far_distance=window + base.chunk)
-                d = fold_lib.with_fold(drafter, cfg)
+                d = drafter.with_fold(cfg)
                 taus = [timed(target, groups_of(cut(prompt_sets, L, args.new_tokens), args.batch), args.new_tokens, 0,
                               d, args.trees[name], warm=False)["tau"] for L in lengths]
                 score = float(np.mean(taus))
@@ -179,42 +151,18 @@ def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:
     return {"lengths": lengths, "chosen": chosen, "grid": rows}
 
 
-def greedy_check(target, prompts, reference, candidate) -> dict:
-    """Rows identical to greedy autoregressive output, honest near-ties, real mismatches
-    (`tools/bench.py`'s check: a divergence where the target's top-2 logits are within 1e-4)."""
-    if all(a == b for a, b in zip(reference, candidate)):
-        return {"exact": len(reference), "near_tie": 0, "mismatch": 0}
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("specjax_tools_bench", Path(__file__).with_name("bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.greedy_check(target, prompts, reference, candidate)
-
-
 # ----------------------------------------------------------------------------- outputs
 
-def write_outputs(rows, notes, meta, out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# FOLD on long contexts ({meta['setup']})", "",
-             f"Test split; {meta['n_prompts']} prompts per length, {meta['new_tokens']} new tokens each, batch "
-             f"{meta['batch']}, greedy; median of {meta['repeats']} timed repeats "
-             f"{'after a warm-up' if meta.get('warmup', True) else 'without a warm-up (tokens/s include compilation)'}; float32 on "
-             f"{meta['device']}; load average before the run {meta['load_avg']}. Context L = prompt + generated "
-             f"tokens + draft depth <= L. Speedup is over our autoregressive loop at the same length, same process.",
-             "", f"FOLD parameters: {meta['params']}", "", f"Command: `{meta['command']}`", ""]
-    lines += [f"- {n}" for n in notes]
-    lines += ["", "| drafter | context L | prompt tokens | variant | tau | tokens/s | speedup vs AR | "
-              "attn entropy (nats) | far-key mass | n_far at first draft | greedy check (exact / near-tie / mismatch) |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['drafter']} | {r['length']} | {r['prompt_tokens']} | {r['variant']} | {r['tau']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['entropy']:.3f} | {r['far_mass']:.3f} | "
-                     f"{r['n_far']} | {r['exact']} / {r['near_tie']} / {r['mismatch']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows}, indent=2) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+COLUMNS = [Column("drafter", "drafter", right=False), Column("context L", "length"),
+           Column("prompt tokens", "prompt_tokens"), Column("variant", "variant", right=False),
+           Column("tau", "tau", "{:.3f}"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
+           Column("speedup vs AR", "speedup", "{:.2f}x"), Column("attn entropy (nats)", "entropy", "{:.3f}"),
+           Column("far-key mass", "far_mass", "{:.3f}"), Column("n_far at first draft", "n_far"),
+           Column("greedy check (exact / near-tie / mismatch)",
+                  lambda r: f"{r['exact']} / {r['near_tie']} / {r['mismatch']}", right=False)]
+
+
+def plot_long(plt, rows, meta):
     names = sorted({r["drafter"] for r in rows}) or ["none"]
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -232,29 +180,45 @@ def write_outputs(rows, notes, meta, out: Path):
         ax.legend()
     fig.suptitle(f"FOLD: tau against context length — {meta['setup']}")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def write_tune(result, base, out: Path):
-    lines = ["# FOLD tuning on the validation split", "",
-             f"Lengths {result['lengths']}; variant \"fold (both)\"; sinks={base.sinks}, chunk={base.chunk}, "
-             f"far = window + chunk, beta rule {base.beta_rule}. Row with no window: the plain drafter.", "",
-             "| drafter | window | lambda | tau per length | mean tau |", "|---|---:|---:|---|---:|"]
-    for r in result["grid"]:
-        lines.append(f"| {r['drafter']} | {r['window'] if r['window'] is not None else 'plain'} | "
-                     f"{'' if r['lambda'] is None else r['lambda']} | {[round(t, 3) for t in r['taus']]} | "
-                     f"{r['mean_tau']:.3f} |")
-    lines += ["", "Chosen: " + ", ".join(f"{k}: window {v['window']}, lambda {v['lambda']} (mean tau {v['mean_tau']:.3f}"
-                                         f" vs plain {v['plain_mean_tau']:.3f})" for k, v in result["chosen"].items())]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+def write_long_outputs(rows, notes, meta, out: Path) -> Path:
+    """<out>.md, .json ({"meta", "rows", "notes"}) and .png through the harness."""
+    intro = [f"Test split; {meta['n_prompts']} prompts per length, {meta['new_tokens']} new tokens each, batch "
+             f"{meta['batch']}, greedy; median of {meta['repeats']} timed repeats "
+             f"{'after a warm-up' if meta.get('warmup', True) else 'without a warm-up (tokens/s include compilation)'}; "
+             f"float32 on {meta['device']}; load average {meta['load_avg']:.2f}. Context L = prompt + generated "
+             f"tokens + draft depth <= L. Speedup is over our autoregressive loop at the same length, same process.",
+             "", f"FOLD parameters: {meta['params']}"]
+    if notes:
+        intro += [""] + [f"- {n}" for n in notes]
+    return write_outputs(out, meta, rows, COLUMNS, plot_long, title=f"FOLD on long contexts ({meta['setup']})",
+                         intro=intro, extra={"notes": notes})
+
+
+TUNE_COLUMNS = [Column("drafter", "drafter", right=False),
+                Column("window", lambda r: r["window"] if r["window"] is not None else "plain", "{}"),
+                Column("lambda", "lambda"), Column("tau per length", lambda r: str([round(t, 3) for t in r["taus"]]),
+                                                   right=False),
+                Column("mean tau", "mean_tau", "{:.3f}")]
+
+
+def write_tune(result, base, out: Path, meta: dict) -> Path:
+    """<out>.md and .json ({"meta", "rows": the grid, "lengths", "chosen"}; `--params` reads "chosen")."""
+    intro = [f"Lengths {result['lengths']}; variant \"fold (both)\"; sinks={base.sinks}, chunk={base.chunk}, "
+             f"far = window + chunk, beta rule {base.beta_rule}. Row with no window: the plain drafter."]
+    notes = ["Chosen: " + ", ".join(f"{k}: window {v['window']}, lambda {v['lambda']} (mean tau {v['mean_tau']:.3f}"
+                                    f" vs plain {v['plain_mean_tau']:.3f})" for k, v in result["chosen"].items())]
+    return write_outputs(out, meta, result["grid"], TUNE_COLUMNS, title="FOLD tuning on the validation split",
+                         intro=intro, notes=notes, extra={"lengths": result["lengths"], "chosen": result["chosen"]})
 
 
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_long",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="lm drafter directory")
     ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="feature drafter directory")
@@ -334,9 +298,10 @@ def main(argv=None):
         args.prompts = args.tune_prompts or (1 if smoke else 2)  # prompt_sets reads args.prompts
         result = tune(target, drafters, prompt_sets("validation"), args, base)
         args.prompts = n_test
-        write_tune(result, base, tune_out)
+        md = write_tune(result, base, tune_out, run_meta("bench_long", argv, setup="smoke: tiny random models"
+                                                         if smoke else f"zoo: {Path(args.target).name}"))
         if args.tune_only:
-            print(tune_out.with_suffix(".md").read_text())
+            print(md.read_text())
             return 0
         tuned, params_src = result["chosen"], f"tuned on validation ({tune_out.with_suffix('.md').name})"
     elif args.params or tune_out.with_suffix(".json").exists():
@@ -368,9 +333,9 @@ def main(argv=None):
             for v in variants:
                 print(f"[bench_long] L={L}: {name} {v} ...", file=sys.stderr, flush=True)
                 vcfg = variant_config(v, cfg)
-                d = fold_lib.with_fold(drafter, vcfg)
+                d = drafter.with_fold(vcfg)
                 r = timed(target, groups, args.new_tokens, args.repeats, d, args.trees[name], warm=not args.no_warmup)
-                diag = fold_lib.attention_diagnostics(target, fold_lib.with_fold(drafter, diagnostic_config(v, cfg)),
+                diag = fold_diagnostics.attention_diagnostics(target, drafter.with_fold(diagnostic_config(v, cfg)),
                                                       flat[: min(len(flat), 2)])
                 n_far = max(0, len(flat[0]) - cfg.window - cfg.sinks)
                 rows.append({"drafter": name, "length": L, "prompt_tokens": len(flat[0]), "variant": v,
@@ -380,16 +345,13 @@ def main(argv=None):
                              "far_mass": diag["far_mass"], "attn_total": diag["total"], "n_far": n_far,
                              **{k: v for k, v in greedy_check(target, flat, ar["sequences"], r["sequences"]).items()}})
         Path(str(out) + ".partial.json").write_text(json.dumps(rows) + "\n")  # a stopped run keeps its lengths
-    meta = {"setup": "smoke: tiny random models" if smoke else f"zoo: {Path(args.target).name}",
-            "n_prompts": args.prompts, "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
-            "device": jax.devices()[0].device_kind, "platform": platform.platform(), "load_avg": os.getloadavg()[0],
-            "params": "; ".join(f"{k}: {c.describe()}" for k, c in per_drafter.items()) + f" — {params_src}",
-            "warmup": not args.no_warmup,
-            "trees": {k: args.trees[k] for k in drafters},
-            "command": "python tools/bench_long.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    write_outputs(rows, notes, meta, out)
+    meta = run_meta("bench_long", argv, setup="smoke: tiny random models" if smoke else f"zoo: {Path(args.target).name}",
+                    n_prompts=args.prompts, new_tokens=args.new_tokens, batch=args.batch, repeats=args.repeats,
+                    params="; ".join(f"{k}: {c.describe()}" for k, c in per_drafter.items()) + f" — {params_src}",
+                    warmup=not args.no_warmup, trees={k: args.trees[k] for k in drafters})
+    md = write_long_outputs(rows, notes, meta, out)
     Path(str(out) + ".partial.json").unlink(missing_ok=True)
-    print(out.with_suffix(".md").read_text())
+    print(md.read_text())
     bad = [(r["drafter"], r["length"], r["variant"]) for r in rows if r["mismatch"]]
     if bad:  # FOLD changes only the drafter: greedy output must not move (near-ties aside)
         print(f"GREEDY MISMATCH (check for near-ties) in {bad}", file=sys.stderr)

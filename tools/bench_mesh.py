@@ -2,26 +2,27 @@
 (1,8) of simulated CPU devices, for generation (autoregressive and speculative, the zoo's targets)
 and for the LM trainer's step.
 
-    python tools/bench_mesh.py [--devices 8] [--meshes 8x1,2x4,1x8] [--new-tokens 32] [--repeats 3] \
+    python -m tools.bench_mesh [--devices 8] [--meshes 8x1,2x4,1x8] [--new-tokens 32] [--repeats 3] \
         [--out bench/bench_mesh]
 
 **Not a speed claim.** The simulated devices are threads of one CPU sharing its cores: a mesh here
 pays the partitioned program's collectives and its smaller, less efficient kernels, and gains
 nothing. The table tells what the sharding costs in overhead on one host and that every
 configuration compiles once and gives the same tokens; speed on real accelerators is measured there
-(`tools/bench_gpu.sh` on a lent GPU). The device count is set before jax is imported.
+(`tools/bench_gpu.sh` on a lent GPU). The device count is set before jax is imported (`tools.harness`
+imports it only when called). Writes <out>.md and .json (`tools.harness.write_outputs`: "rows" the
+generation rows, "train" the trainer's).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.harness import REPO, Column, run_meta, write_outputs
 
 
 def _set_devices(n: int) -> None:
@@ -32,7 +33,8 @@ def _set_devices(n: int) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_mesh",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--meshes", default="8x1,2x4,1x8", help="DATAxMODEL,... (each a product of --devices)")
     ap.add_argument("--target", action="append", default=None, metavar="NAME=DIR[,DRAFTER_DIR...]",
@@ -46,9 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "bench_mesh")
     args = ap.parse_args(argv)
     _set_devices(args.devices)
-    sys.path.insert(0, str(REPO))
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -56,7 +56,6 @@ def main(argv=None) -> None:
     from specjax import sharding
     from specjax.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
-    from tools.bench import cpu_model
     from train import lm, prompts as prompt_sets
 
     meshes = [None] + [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
@@ -121,35 +120,28 @@ def main(argv=None) -> None:
         train_rows.append(row)
         print(json.dumps(row), flush=True)
 
-    meta = {"command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv or sys.argv[1:])),
-            "cpu": cpu_model(), "cores": os.cpu_count(), "devices": args.devices, "platform": platform.platform(),
-            "jax": jax.__version__, "new_tokens": args.new_tokens, "prompts": args.prompts, "repeats": args.repeats}
-    lines = [f"# Sharded generation and training on {args.devices} simulated CPU devices", "",
-             "**Not a speed claim**: the simulated devices share one CPU's cores; a mesh here adds collectives and "
+    meta = run_meta("bench_mesh", argv, devices=args.devices, new_tokens=args.new_tokens, prompts=args.prompts,
+                    repeats=args.repeats)
+    intro = ["**Not a speed claim**: the simulated devices share one CPU's cores; a mesh here adds collectives and "
              "smaller kernels and gains nothing. What the table shows: each configuration compiles once (traces), "
              "gives one device's tokens, and what the partitioned program costs in overhead on one host.", "",
-             f"CPU: {meta['cpu']} ({meta['cores']} cores); jax {meta['jax']}; float32; batch {args.prompts} code prompts "
-             f"(test split), {args.new_tokens} new tokens, median of {args.repeats} runs after a first (compiling) one.", "",
-             f"Command: `{meta['command']}`", "",
-             "| target | method | mesh | tokens/s | vs one device | tau | compile + first run s | traces | same tokens |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+             f"{args.devices} simulated CPU devices; float32; batch {args.prompts} code prompts (test split), "
+             f"{args.new_tokens} new tokens, median of {args.repeats} runs after a first (compiling) one."]
     base = {(r["target"], r["method"]): r["tokens_per_s"] for r in rows if r["mesh"] == "one device"}
-    for r in rows:
-        tau = f"{r['tau']:.2f}" if "tau" in r else ""
-        lines.append(f"| {r['target']} | {r['method']} | {r['mesh']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / base[(r['target'], r['method'])]:.2f}x | {tau} | {r['compile_and_first_s']} | "
-                     f"{r['traces']} | {'yes' if r['same_tokens'] else 'NO'} |")
+    columns = [Column("target", "target", right=False), Column("method", "method", right=False),
+               Column("mesh", "mesh", right=False), Column("tokens/s", "tokens_per_s", "{:.1f}"),
+               Column("vs one device", lambda r: f"{r['tokens_per_s'] / base[(r['target'], r['method'])]:.2f}x"),
+               Column("tau", "tau", "{:.2f}"), Column("compile + first run s", "compile_and_first_s"),
+               Column("traces", "traces"), Column("same tokens", lambda r: "yes" if r["same_tokens"] else "NO",
+                                                  right=False)]
     one = train_rows[0]["step_s_median"]
-    lines += ["", f"LM trainer step (`{args.train_config}`: batch {train_rows[0]['batch_size']} x seq "
-                  f"{train_rows[0]['seq_len']}, random tokens, median of {args.train_steps} steps after the compiling one):", "",
-              "| mesh | step s | vs one device | compile + first step s |", "|---|---:|---:|---:|"]
+    notes = [f"LM trainer step (`{args.train_config}`: batch {train_rows[0]['batch_size']} x seq "
+             f"{train_rows[0]['seq_len']}, random tokens, median of {args.train_steps} steps after the compiling one):", "",
+             "| mesh | step s | vs one device | compile + first step s |", "|---|---:|---:|---:|"]
     for r in train_rows:
-        lines.append(f"| {r['mesh']} | {r['step_s_median']:.3f} | {r['step_s_median'] / one:.2f}x | {r['compile_and_first_s']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "generate": rows, "train": train_rows}, indent=2) + "\n")
-    print(f"wrote {args.out.with_suffix('.md')}")
-
+        notes.append(f"| {r['mesh']} | {r['step_s_median']:.3f} | {r['step_s_median'] / one:.2f}x | {r['compile_and_first_s']} |")
+    write_outputs(args.out, meta, rows, columns, title=f"Sharded generation and training on {args.devices} simulated "
+                  "CPU devices", intro=intro, notes=notes, extra={"train": train_rows})
 
 if __name__ == "__main__":
     main()

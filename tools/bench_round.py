@@ -15,35 +15,31 @@
    whole round jitted as in the loop. "bookkeeping" = whole round − target forward − the drafter's
    own forwards (depth × one step, plus its commit): what is neither model's forward.
 
-    python tools/bench_round.py                 # zoo models (random weights of the zoo's shapes if absent)
-    python tools/bench_round.py --smoke         # tiny random models (what the test runs)
-    python tools/bench_round.py --split-only    # only the per-stage split (3), lm chain=4 by default
+    python -m tools.bench_round                 # zoo models (random weights of the zoo's shapes if absent)
+    python -m tools.bench_round --smoke         # tiny random models (what the test runs)
+    python -m tools.bench_round --split-only    # only the per-stage split (3), lm chain=4 by default
 
-Medians over repeats after a warm-up call; float32. Writes bench/<out>.md and .json.
+Medians over repeats after a warm-up call; float32. Writes bench/<out>.md and .json
+(`tools.harness.write_outputs`: "rows" are the rounds of 2; the forward costs, the split and the
+autoregressive ms/token beside them).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax.drafters import BlockDrafter, FeatureDrafter, LMDrafter, NgramDrafter, load_drafter  # noqa: E402
-from specjax.drafters.feature import FeatureConfig, FeatureHead  # noqa: E402
-from specjax.models import family, transformer  # noqa: E402
-from tools.bench import cpu_model  # noqa: E402
-from tools.bench_ar import median_ms  # noqa: E402
+import specjax
+from specjax.drafters import BlockDrafter, FeatureDrafter, LMDrafter, NgramDrafter, load_drafter
+from specjax.drafters.feature import FeatureConfig, FeatureHead
+from specjax.models import family, transformer
+from tools.harness import REPO, Column, median_ms, run_meta, smoke_models, write_outputs
 
 DEFAULT_TREES = {"ngram": ["chain=5"], "lm": ["chain=4", "depth=5,topk=4,nodes=16"],
                  "feature": ["chain=3", "chain=5", "depth=5,topk=4,nodes=16"]}
@@ -84,7 +80,6 @@ def tree_nodes(spec: str) -> int:
 def load_models(args):
     """(target, {name: drafter}, prompts, what) — the zoo if present, else random weights of its shapes."""
     if args.smoke:
-        from tools.bench import smoke_models
         cfg, target, draft = smoke_models()
         rng = np.random.default_rng(0)
         prompts = [(rng.integers(0, 64, 6).tolist() * 8)[:40]]
@@ -145,7 +140,6 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
         if layers:
             feats = jnp.take_along_axis(jnp.concatenate(tout.hidden, axis=-1), vd.path[..., None], axis=1)
         return Committed(tokens=jnp.concatenate([root[:, None], vd.tokens], 1), count=vd.num_accepted + 1,
-                         positions=carry.cache.length[:, None] + jnp.arange(D + 1)[None],
                          features=feats, target=cache)
 
     @jax.jit
@@ -328,8 +322,16 @@ def split_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+ROUND_COLUMNS = [Column("drafter", "drafter", right=False), Column("tree", lambda r: f"`{r['tree']}`", right=False),
+                 Column("nodes", "nodes"), Column("ms/round", "ms_round", "{:.2f}"),
+                 Column("verify fwd ms", "verify_ms", "{:.2f}"), Column("draft + rest ms", "rest_ms", "{:.2f}"),
+                 Column("break-even τ", "break_even_tau", "{:.2f}"), Column("τ", "tau", "{:.2f}"),
+                 Column("speedup", "speedup", "{:.2f}×")]
+
+
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_round",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
     ap.add_argument("--feature", default=None,
@@ -363,12 +365,10 @@ def main(argv=None) -> dict:
         f"{max(args.repeats * 5, 5)} calls. Bookkeeping = whole round − target forward − the drafter's own "
         "forwards (depth × one step, and its commit).", ""] + split_table(split) + [""]
     if args.split_only:
-        lines = [f"# One round, stage by stage ({what})", "", f"CPU: {cpu_model()}", ""] + split_lines[2:] + [
-            f"Command: `{' '.join(sys.argv)}`"]
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        out.with_suffix(".json").write_text(json.dumps({"what": what, "split": split, "cpu": cpu_model(),
-                                                        "command": " ".join(sys.argv)}, indent=2) + "\n")
-        print("\n".join(lines))
+        meta = run_meta("bench_round", argv, what=what, context=args.context, repeats=args.repeats)
+        md = write_outputs(out, meta, split, None, title=f"One round, stage by stage ({what})",
+                           intro=split_lines[2:], extra={"split": split})
+        print(md.read_text())
         return {"split": split}
     # --smoke: one chain per drafter, so the few compiles stay cheap.
     trees = {name: ["chain=4"] if args.smoke else DEFAULT_TREES[name] for name in drafters}
@@ -404,31 +404,22 @@ def main(argv=None) -> dict:
             rows.append({"drafter": name, "tree": spec, "nodes": tree_nodes(spec), "ms_round": ms_round,
                          "verify_ms": verify, "rest_ms": ms_round - verify, "break_even_tau": ms_round / ar,
                          "tau": tau, "speedup": tau * ar / ms_round})
-    result = {"what": what, "ar_ms_per_token": ar, "forward_ms": fwd, "rounds": rows, "split": split,
-              "cpu": cpu_model(),
-              "context": args.context, "new_tokens": args.new_tokens, "prompts": len(prompts),
-              "repeats": args.repeats, "backend": jax.default_backend(), "command": " ".join(sys.argv)}
-    lines = [f"# Where a round's time goes ({what})", "",
-             f"Batch 1, prompts of {args.context} tokens, {args.new_tokens} new tokens, greedy, float32, "
-             f"{jax.default_backend()} ({cpu_model()}); medians over {args.repeats} repeats. Decode phase only: "
+    meta = run_meta("bench_round", argv, what=what, context=args.context, new_tokens=args.new_tokens,
+                    prompts=len(prompts), repeats=args.repeats)
+    result = {"meta": meta, "what": what, "ar_ms_per_token": ar, "forward_ms": fwd, "rounds": rows, "split": split}
+    intro = [f"Batch 1, prompts of {args.context} tokens, {args.new_tokens} new tokens, greedy, float32, "
+             f"{meta['backend']}; medians over {args.repeats} repeats. Decode phase only: "
              "every ms below is a whole generation's minus its prefill's (the same call with max_new_tokens=1). "
              f"Autoregressive: **{ar:.2f} ms/token**.", "",
              "| target forward over T tokens | " + " | ".join(str(T) for T in fwd) + " |",
              "|---|" + "---:|" * len(fwd),
              "| ms | " + " | ".join(f"{v:.2f}" for v in fwd.values()) + " |",
-             "| × one step | " + " | ".join(f"{v / fwd[1]:.2f}" for v in fwd.values()) + " |", "",
-             "| drafter | tree | nodes | ms/round | verify fwd ms | draft + rest ms | break-even τ | τ | speedup |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['drafter']} | `{r['tree']}` | {r['nodes']} | {r['ms_round']:.2f} | {r['verify_ms']:.2f} | "
-                     f"{r['rest_ms']:.2f} | {r['break_even_tau']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}× |")
-    lines += ["", "`nodes` counts the root (the verification block is `nodes` tokens). Speedup = τ × AR ms/token / "
-              "ms/round: what the loop gains over autoregressive decoding at this τ.", ""] + split_lines + [
-              f"Command: `{result['command']}`"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(lines))
+             "| × one step | " + " | ".join(f"{v / fwd[1]:.2f}" for v in fwd.values()) + " |"]
+    notes = ["`nodes` counts the root (the verification block is `nodes` tokens). Speedup = τ × AR ms/token / "
+             "ms/round: what the loop gains over autoregressive decoding at this τ.", ""] + split_lines
+    md = write_outputs(out, meta, rows, ROUND_COLUMNS, title=f"Where a round's time goes ({what})", intro=intro,
+                       notes=notes, extra={"ar_ms_per_token": ar, "forward_ms": fwd, "split": split})
+    print(md.read_text())
     return result
 
 

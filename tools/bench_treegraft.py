@@ -24,35 +24,32 @@ distill_info.json); and the costs of one scheduler decision, one cheap-drafter p
 strong scoring pass (jitted alone, median). Every TreeGraft row is checked token for token against
 the cheap-only output (all are the target's greedy output).
 
-    python tools/bench_treegraft.py --smoke                       # tiny random models (what the test runs)
-    python tools/bench_treegraft.py --train-schedulers            # the zoo; builds missing schedulers first
+    python -m tools.bench_treegraft --smoke                       # tiny random models (what the test runs)
+    python -m tools.bench_treegraft --train-schedulers            # the zoo; builds missing schedulers first
 
-Writes <out>.md, <out>.json and <out>.png (default bench/bench_treegraft).
+Writes <out>.md, <out>.json and <out>.png (default bench/bench_treegraft; `tools.harness.write_outputs`:
+one row per pair, prompt set and method, and the nested "pairs" results).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import specjax  # noqa: E402
-from specjax import scheduler as sched_lib  # noqa: E402
-from specjax.drafters import DraftContext, LMDrafter, NgramDrafter  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from specjax.treegraft import RoundStepper, TreeGraft  # noqa: E402
-from tools.bench import cpu_model  # noqa: E402
-from train.lm import repo_relative  # noqa: E402
+import specjax
+from specjax import scheduler as sched_lib
+from specjax.drafters import DraftContext, LMDrafter, NgramDrafter
+from specjax.sampling import SamplingParams
+from specjax.treegraft import RoundStepper, TreeGraft
+from tools.harness import (REPO, Column, generation_row, output_path, run_meta, smoke_models, time_generation,
+                           write_outputs)
+from train.lm import repo_relative
 
 # A block drafter (DSpark) rescores exactly in one pass (`can_score`), so it can be the strong drafter;
 # as the cheap one it drafts TreeGraft's dynamic candidate tree from its one backbone pass.
@@ -67,7 +64,6 @@ def smoke_setup(seed: int = 0):
     """Tiny random target; lm = a noisy copy of it, feature = a random feature head, ngram.
     Evaluation and training prompts: random and repetitive token sequences."""
     from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead
-    from bench import smoke_models  # tools/ is on sys.path (this script's folder)
     cfg, target, draft = smoke_models(seed)
     feature = FeatureDrafter(FeatureHead(FeatureConfig.for_target(cfg), nnx.Rngs(seed + 2)), target)
     drafters = {"lm": LMDrafter(draft), "feature": feature, "ngram": NgramDrafter()}
@@ -89,7 +85,7 @@ def smoke_setup(seed: int = 0):
 def zoo_setup(args):
     from specjax.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
-    from train import corpus, prompts as prompt_sets
+    from train import prompts as prompt_sets
     target = specjax.load_model(args.target)
     tok = load_tokenizer(args.target)
     drafters = {"ngram": NgramDrafter()}
@@ -99,7 +95,7 @@ def zoo_setup(args):
     eval_sets = {}
     for s in args.sets.split(","):
         if s == "long":
-            got = corpus.long_context_prompts(tok, lengths=(args.long_tokens,), per_length=args.prompts_per_set)
+            got = prompt_sets.long_context_prompts(tok, lengths=(args.long_tokens,), per_length=args.prompts_per_set)
             eval_sets[s] = [p["ids"] for p in got[args.long_tokens]]
         else:
             eval_sets[s] = [p["ids"] for p in prompt_sets.prompt_set(s, tok, args.prompts_per_set, split="test",
@@ -110,26 +106,16 @@ def zoo_setup(args):
 # ----------------------------------------------------------------------------- measurements
 
 def engine_run(target, drafter, prompts, tree, new_tokens, repeats) -> dict:
-    from specjax import engine
+    """The engine with one drafter, batch 1 (`tools.harness.time_generation`: an untimed warm-up per
+    prompt shape, then `repeats` timed passes); TreeGraft's invoke rate and grafted share."""
     kw = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=[drafter], tree=tree)
-    seen = set()
-    for p in prompts:  # warm-up: one untimed call per prompt shape (compiles)
-        bucket = -(-len(p) // engine.PROMPT_BUCKET)
-        if bucket not in seen:
-            seen.add(bucket)
-            specjax.generate(target, [p], **kw)
-    times, results = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        results = [specjax.generate(target, [p], **kw) for p in prompts]
-        times.append(time.perf_counter() - t0)
-    st = lambda k: np.concatenate([r.stats[k] for r in results]) if k in results[0].stats else None
-    rounds, acc = st("rounds"), st("accepted")
-    tokens = sum(int(r.lengths.sum()) for r in results)
-    row = {"tokens": tokens, "seconds": float(np.median(times)), "tokens_per_s": tokens / float(np.median(times)),
-           "rounds": int(rounds.sum()), "tau": float(1 + acc.sum() / max(rounds.sum(), 1)),
-           "round_s": float(np.median(times)) / max(int(rounds.sum()), 1),
-           "sequences": [s for r in results for s in r.sequences()]}
+    results, times = time_generation(target, [[p] for p in prompts], repeats, **kw)
+    st = lambda k: np.concatenate([r.stats[k] for r in results]) if k in results[0].stats else None  # noqa: E731
+    rounds = st("rounds")
+    base = generation_row(results, times, speculative=True)
+    row = {"tokens": base["tokens"], "seconds": base["seconds"], "tokens_per_s": base["tokens_per_s"],
+           "rounds": int(rounds.sum()), "tau": base["tau"], "round_s": base["seconds"] / max(int(rounds.sum()), 1),
+           "sequences": base["sequences"]}
     if st("treegraft_invoked") is not None:
         accepted_paths = int(st("accepted_at_depth")[:, 0].sum())
         row.update(invoke_rate=float(st("treegraft_invoked").sum() / max(rounds.sum(), 1)),
@@ -233,77 +219,76 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
-def write_outputs(results: dict, meta: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# TreeGraft benchmark ({meta['setup']})", "",
-             f"Greedy, batch 1, {meta['new_tokens']} new tokens per prompt, verify tree `{meta['tree']}`, "
-             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']} "
-             f"({meta.get('cpu', 'CPU model not recorded')}); "
-             f"load average before the run {meta['load_avg']:.2f}. Oracle: per-round hindsight choice, "
-             "costed with the engine's measured per-round time of each branch (an estimate).", "",
-             f"Command: `{meta['command']}`", ""]
+COLUMNS = [Column("pair (cheap+strong)", "pair", right=False), Column("set", "set", right=False),
+           Column("method", "method", right=False), Column("tokens/s", "tokens_per_s", "{:.1f}"),
+           Column("tau", "tau", "{:.2f}"), Column("invoke rate", "invoke_rate", "{:.2f}"),
+           Column("grafted share", "grafted_share", "{:.2f}"),
+           Column("same as cheap-only", "same_as_cheap", right=False)]
+
+
+def flat_rows(results: dict) -> list[dict]:
+    """One row per pair, prompt set and method (the table and the JSON's "rows")."""
+    out = []
     for pair, res in results.items():
-        sets = list(res["sets"])
-        lines += [f"## {pair} (cheap {pair.split('+')[0]}, strong {pair.split('+')[1]})", "",
-                  "tokens/s (tau) per prompt set:", "",
-                  "| method | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
-        for m in METHODS:
-            cells = []
-            for s in sets:
-                r = res["sets"][s].get(m)
-                cells.append("—" if r is None else f"{r['tokens_per_s']:.1f} ({r['tau']:.2f})")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines += ["", "TreeGraft: invoke rate / share of accepted paths through a grafted node / greedy output "
-                  "identical to cheap-only (prompts):", "",
-                  "| method | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
-        for m in ("never", "always", "scheduler", "oracle"):
-            cells = []
-            for s in sets:
-                r = res["sets"][s].get(m)
-                if r is None:
-                    cells.append("—")
-                    continue
-                g = r.get("grafted_share")
-                cells.append(f"{r.get('invoke_rate', float('nan')):.2f} / {'—' if g is None else f'{g:.2f}'} / "
-                             f"{r.get('same_as_cheap', '—')}")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        for s, row in res["sets"].items():
+            for m in METHODS:
+                if m in row:
+                    out.append({"pair": pair, "set": s, "method": m, **row[m]})
+    return out
+
+
+def plot_treegraft(results):
+    def plot(plt, rows, meta):
+        fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+        for ax, (pair, res) in zip(axes[0], results.items()):
+            sets = list(res["sets"])
+            width = 0.8 / len(METHODS)
+            for i, m in enumerate(METHODS):
+                vals = [res["sets"][s].get(m, {}).get("tokens_per_s", 0.0) for s in sets]
+                ax.bar(np.arange(len(sets)) + i * width, vals, width, label=m)
+            ax.set_xticks(np.arange(len(sets)) + 0.4 - width / 2, sets)
+            ax.set_title(pair)
+            ax.set_ylabel("tokens/s")
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"TreeGraft — {meta['setup']}")
+        fig.tight_layout()
+        return fig
+    return plot
+
+
+def write_treegraft_outputs(results: dict, meta: dict, out: Path) -> Path:
+    """<out>.md, .json ({"meta", "rows", "pairs"}) and .png through the harness."""
+    load = meta.get("load_avg")
+    intro = [f"Greedy, batch 1, {meta['new_tokens']} new tokens per prompt, verify tree `{meta['tree']}`, "
+             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']}"
+             + (f"; load average {load:.2f}" if load is not None else "") + ". Oracle: per-round hindsight choice, "
+             "costed with the engine's measured per-round time of each branch (an estimate). TreeGraft columns: "
+             "invoke rate (rounds where the strong drafter ran), share of accepted paths through a grafted node, "
+             "greedy output identical to cheap-only (prompts)."]
+    notes = []
+    for pair, res in results.items():
         c = res["costs"]
         acc = res.get("scheduler_heldout_accuracy")
-        lines += ["", f"Costs (median, jitted alone): scheduler decision {c['scheduler_ms']:.3f} ms, cheap proposal "
-                  f"({c['cheap_tree_nodes']}-node tree) {c['cheap_propose_ms']:.3f} ms, strong scoring pass "
-                  f"{c['strong_score_ms']:.3f} ms; scheduler / cheap proposal = "
-                  f"{c['scheduler_ms'] / max(c['cheap_propose_ms'], 1e-9):.2f}. Scheduler held-out accuracy: "
-                  f"{'—' if acc is None else f'{acc:.3f}'} ({res.get('scheduler_dir') or 'no scheduler'}).", ""]
-    lines += summary_lines(results)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    strip = lambda r: {k: v for k, v in r.items() if k != "sequences"}
-    js = {"meta": meta, "pairs": {p: {**{k: v for k, v in res.items() if k != "sets"},
-                                      "sets": {s: {m: strip(r) for m, r in d.items()} for s, d in res["sets"].items()}}
-                                  for p, res in results.items()}}
-    out.with_suffix(".json").write_text(json.dumps(js, indent=2) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (pair, res) in zip(axes[0], results.items()):
-        sets = list(res["sets"])
-        width = 0.8 / len(METHODS)
-        for i, m in enumerate(METHODS):
-            vals = [res["sets"][s].get(m, {}).get("tokens_per_s", 0.0) for s in sets]
-            ax.bar(np.arange(len(sets)) + i * width, vals, width, label=m)
-        ax.set_xticks(np.arange(len(sets)) + 0.4 - width / 2, sets)
-        ax.set_title(pair)
-        ax.set_ylabel("tokens/s")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"TreeGraft — {meta['setup']}")
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+        notes += [f"{pair} (cheap {pair.split('+')[0]}, strong {pair.split('+')[1]}): costs (median, jitted alone): "
+                  f"scheduler decision {c['scheduler_ms']:.3f} ms, cheap proposal ({c['cheap_tree_nodes']}-node tree) "
+                  f"{c['cheap_propose_ms']:.3f} ms, strong scoring pass {c['strong_score_ms']:.3f} ms; scheduler / "
+                  f"cheap proposal = {c['scheduler_ms'] / max(c['cheap_propose_ms'], 1e-9):.2f}. Scheduler held-out "
+                  f"accuracy: {'—' if acc is None else f'{acc:.3f}'} ({res.get('scheduler_dir') or 'no scheduler'}).", ""]
+    notes += summary_lines(results)
+    strip = lambda r: {k: v for k, v in r.items() if k != "sequences"}  # noqa: E731
+    pairs = {p: {**{k: v for k, v in res.items() if k != "sets"},
+                 "sets": {s: {m: strip(r) for m, r in d.items()} for s, d in res["sets"].items()}}
+             for p, res in results.items()}
+    return write_outputs(out, meta, flat_rows(results), COLUMNS, plot_treegraft(results),
+                         title=f"TreeGraft benchmark ({meta['setup']})", intro=intro, notes=notes,
+                         extra={"pairs": pairs})
 
 
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_treegraft",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="the lm drafter")
     ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="the feature drafter")
@@ -328,8 +313,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:  # rewrite the table and plot from a stored run, measuring nothing
         stored = json.loads(Path(args.render).read_text())
-        write_outputs(stored["pairs"], stored["meta"], Path(args.render).with_suffix(""))
-        print(Path(args.render).with_suffix(".md").read_text())
+        print(write_treegraft_outputs(stored["pairs"], stored["meta"], output_path(args.render, "")).read_text())
         return 0
     out = Path(args.out or REPO / ("bench/bench_treegraft_smoke" if args.smoke else "bench/bench_treegraft"))
 
@@ -404,13 +388,10 @@ def main(argv=None) -> int:
     if not results:
         print("no drafter pair could run", file=sys.stderr)
         return 1
-    meta = {"setup": "smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
-            "tree": args.tree, "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "device": jax.devices()[0].device_kind, "platform": platform.platform(), "cpu": cpu_model(),
-            "load_avg": os.getloadavg()[0],
-            "command": "python tools/bench_treegraft.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    write_outputs(results, meta, out)
-    print(out.with_suffix(".md").read_text())
+    meta = run_meta("bench_treegraft", argv,
+                    setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
+                    tree=args.tree, new_tokens=args.new_tokens, repeats=args.repeats)
+    print(write_treegraft_outputs(results, meta, out).read_text())
     return 0
 
 

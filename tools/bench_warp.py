@@ -2,28 +2,25 @@
 (64 warps in one `fori_loop`), the two interleaved, median of 7. At the defaults (no top-k, no
 top-p) `warp` skips the sort (`lax.cond`); `_cut` is the sorted path it used to take.
 
-    python tools/bench_warp.py [--vocab 8192]
+    python -m tools.bench_warp [--vocab 8192]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from specjax import sampling  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from tools.bench_ar import cpu_name  # noqa: E402
+from specjax import sampling
+from specjax.sampling import SamplingParams
+from tools.harness import cpu_name
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_warp",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)

@@ -6,7 +6,7 @@ kind of machine (the bench's greedy winner; lm chain=4 where no bench is present
 configuration at batch 4, then the other zoo drafters at batch 1. Every speedup is measured here,
 now; where speculation does not pay, the demo says so.
 
-    python tools/demo.py [--model models/code-target] [--drafter models/code-draft|models/code-target-feature|ngram]
+    python -m tools.demo [--model models/code-target] [--drafter models/code-draft|models/code-target-feature|ngram]
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tools.harness import REPO
 
 DRAFTERS = {"lm": "models/code-draft", "feature": "models/code-target-feature", "ngram": "ngram"}
 FALLBACK = ("lm", "chain=4")
@@ -58,7 +57,8 @@ def verdict(speedup: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.demo",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "models/code-target"))
     ap.add_argument("--drafter", action="append", default=None,
                     help="drafter(s) to show (default: the bench's winner first, then every zoo drafter present)")

@@ -2,32 +2,29 @@
 drafters on one set of anchors: each drafter on the same validation blocks, so DSpark (trained on
 anchors anywhere) and ReaDy (trained on the state grid) are compared on equal terms.
 
-    python tools/eval_block_anchors.py --target models/code-target-hybrid \
+    python -m tools.eval_block_anchors --target models/code-target-hybrid \
         --drafters models/code-target-hybrid-dspark,models/code-target-hybrid-ready --every 8
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from specjax.checkpoint import load_model, load_tokenizer  # noqa: E402
-from specjax.drafters import BlockDrafter, check_feature_target  # noqa: E402
-from specjax.drafters.block import load_block_head  # noqa: E402
-from train import block, data  # noqa: E402
-from train.lm import load_streams_for  # noqa: E402
+from specjax.checkpoint import load_model, load_tokenizer
+from specjax.drafters import BlockDrafter, check_feature_target
+from specjax.drafters.block import load_block_head
+from tools.harness import REPO, Column, run_meta, write_outputs
+from train import block, data
+from train.lm import load_streams_for
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.eval_block_anchors",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafters", required=True, help="comma-separated block-drafter directories")
     ap.add_argument("--every", type=int, default=8, help="anchors on this grid (ReaDy's state grid)")
@@ -65,9 +62,14 @@ def main(argv=None):
                    "tau_estimate": round(1.0 + float(accepted.sum(1).mean()), 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python tools/eval_block_anchors.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]), "rows": rows}, indent=2) + "\n")
+    if args.out:  # <out>.json (the path given, a stem: .json added when missing) and <out>.md
+        cols = [Column("drafter", "drafter", right=False), Column("blocks", "blocks"),
+                Column("agree by position", lambda r: str(r["agree"]), right=False),
+                Column("accept by position", lambda r: str(r["accept"]), right=False),
+                Column("tau estimate", "tau_estimate", "{:.3f}")]
+        write_outputs(args.out, run_meta("eval_block_anchors", argv, target=args.target, every=args.every,
+                                         anchors=args.anchors, seq_len=args.seq_len, eval_tokens=args.eval_tokens),
+                      rows, cols, title="Block drafters on one set of anchors (validation)")
 
 
 if __name__ == "__main__":

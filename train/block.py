@@ -14,7 +14,7 @@ block with the drafter's own previous token (greedy, as drafting does) and repor
 agreement with the target's argmax and the acceptance (all positions up to k agree; the target
 conditioned on the data, not on the draft: an estimate — `tools/bench.py` measures the real one).
 After training, the confidence head is calibrated on the validation blocks by sequential
-temperature scaling (`specjax.drafters.block.calibrate_temperatures`); the temperatures go into
+temperature scaling (`train.calibration.calibrate_temperatures`); the temperatures go into
 the exported `drafter_config.json`.
 
 ReaDy (`state_layers` set; design §5c): the target pass is its chunked form with chunks of
@@ -52,7 +52,7 @@ from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
-from train import data, drafter_run
+from train import calibration as calib, data, drafter_run
 from train.lm import REPO, _resolve, load_streams_for
 
 @dataclasses.dataclass(frozen=True)
@@ -478,12 +478,12 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
         head.config = dataclasses.replace(head.config, confidence_temperatures=Bk.read_config(backbone).confidence_temperatures)
         conf = None
     if conf is not None:
-        temps, _, _ = Bk.calibrate_temperatures(conf[0::2], accepted[0::2])
+        temps, _, _ = calib.calibrate_temperatures(conf[0::2], accepted[0::2])
         head.config = dataclasses.replace(head.config, confidence_temperatures=temps)
         calibration = {"temperatures": list(temps), "fit_blocks": int(len(conf[0::2])),
                        "heldout_blocks": int(len(conf[1::2])),
-                       "ece_before": np.round(Bk.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
-                       "ece_after": np.round(Bk.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}
+                       "ece_before": np.round(calib.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
+                       "ece_after": np.round(calib.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}
     Bk.save_block_head(head, str(export_dir), backbone=backbone)
     if ranking is not None:  # the draft vocabulary's ids: the first draft_vocab of it
         vocab_lib.save_ranking(str(export_dir), ranking)

@@ -179,23 +179,6 @@ def long_context_files(manifest: Manifest | None = None, n: int = 16, split: str
     return sorted(manifest.split(split), key=lambda f: (-f.n_bytes, f.path))[:n]
 
 
-def long_context_prompts(tokenizer, lengths=(1024, 2048, 4096, 8192), per_length: int = 4,
-                         manifest: Manifest | None = None, root: Path | None = None,
-                         split: str = "test") -> dict[int, list[dict]]:
-    """For each length L, up to `per_length` prompts of exactly L token ids: the start of the
-    longest files of `split` (test by default; validation for tuning), each beginning with
-    <|endoftext|> as documents do in training.
-    Returns {L: [{"path", "ids"}]}; a length no file reaches gets fewer (or no) prompts."""
-    from train.tokenizer import EOT_ID  # local import: the corpus itself needs no tokenizer
-
-    manifest = manifest if manifest is not None else read_manifest()
-    root = Path(root) if root is not None else stdlib_root()
-    files = long_context_files(manifest, n=max(per_length * 2, 8), split=split)
-    encoded = [(f.path, [EOT_ID] + tokenizer.encode(read_text(root, f)).ids) for f in files]
-    encoded.sort(key=lambda x: -len(x[1]))
-    return {L: [{"path": p, "ids": ids[:L]} for p, ids in encoded if len(ids) >= L][:per_length] for L in lengths}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)

@@ -5,7 +5,7 @@ documents do in training).
 - `functions`: up to and including a `def` line (the model writes the body);
 - `docstrings`: up to the opening quotes of a docstring (the model writes the prose);
 - `tests`: test files cut after a test method's `def` line (repetitive code);
-- `long`: see `corpus.long_context_prompts`;
+- `long`: see `long_context_prompts`;
 - `whole_function_prompts`: one whole top-level function (decorators, `def`, body) per prompt, so
   the prompt compiles and a completion's validity as Python can be checked (`tools/bench_adaptive.py`).
 """
@@ -88,3 +88,18 @@ def whole_function_prompts(tokenizer, n: int, *, split: str = "test", max_tokens
             if taken == 2:
                 break
     return out
+
+
+def long_context_prompts(tokenizer, lengths=(1024, 2048, 4096, 8192), per_length: int = 4,
+                         manifest: corpus.Manifest | None = None, root: Path | None = None,
+                         split: str = "test") -> dict[int, list[dict]]:
+    """For each length L, up to `per_length` prompts of exactly L token ids: the start of the
+    longest files of `split` (test by default; validation for tuning), each beginning with
+    <|endoftext|> as documents do in training.
+    Returns {L: [{"path", "ids"}]}; a length no file reaches gets fewer (or no) prompts."""
+    manifest = manifest if manifest is not None else corpus.read_manifest()
+    root = Path(root) if root is not None else corpus.stdlib_root()
+    files = corpus.long_context_files(manifest, n=max(per_length * 2, 8), split=split)
+    encoded = [(f.path, [EOT_ID] + tokenizer.encode(corpus.read_text(root, f)).ids) for f in files]
+    encoded.sort(key=lambda x: -len(x[1]))
+    return {L: [{"path": p, "ids": ids[:L]} for p, ids in encoded if len(ids) >= L][:per_length] for L in lengths}

@@ -17,10 +17,7 @@ capabilities (class attributes, read on the host; never a check of the drafter's
     can_score            `score(state, tree, max_depth)` rescores another drafter's tree (TreeGraft's
                          strong drafter)
     target_layers        target hidden layers it reads (feature drafters); `Committed.features`
-    reads_target_state   it reads `Committed.target` / `target_prefill.cache` (ReaDy); informative:
-                         the engine passes the target's committed state to every drafter, and XLA
-                         drops what a drafter does not read
-    attends              it has attention that FOLD can replace (`with_fold`)
+    attends              it has attention that FOLD can replace (`with_fold`; lm, feature)
     stops_early          it honours `DraftContext.stop` on chains (drafts depth by depth and can end
                          early, saving the steps it does not run; lm, feature)
     reads_own_tree       its commit reads `Committed.nodes` against the tree it proposed itself (DPara's
@@ -64,14 +61,27 @@ from typing import Any, ClassVar
 
 import jax
 from flax import nnx
+from jaxtyping import PyTree
 
 from specjax import sharding
+from specjax.kvcache import KVCache
 from specjax.models import transformer
+from specjax.models.hybrid import HybridCache
 from specjax.sampling import SamplingParams
-from specjax.tree import TreeBuffers, TreeSpec
-from specjax.typing import Array, Float, Int
+from specjax.tree import BestFirstTree, TreeBuffers, TreeSpec
+from specjax.typing import Array, Bool, Float, Int, PRNGKey
 
 SAMPLED_RULES = ("sampled", "sampled_noreplace")
+
+
+class StopRule:
+    """A declared per-round hook of a depth-by-depth chain: after its d-th token (traced d >= 1;
+    `score_BxN`: cumulative log q so far, -inf past d) the chain may stop; the nodes past it stay
+    invalid and their drafting steps are not run. The adaptive shape gives one (`adaptive.ChainStop`);
+    drafters with `stops_early` honour it (lm, feature, MTP)."""
+
+    def __call__(self, d, score_BxN) -> Bool[Array, ""]:
+        raise TypeError(f"{type(self).__name__} does not define __call__")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +90,9 @@ class DraftContext:
     spec: TreeSpec  # static
     mode: str  # static: "topk" (deterministic candidates) | "sample" | "sample_noreplace"
     params: SamplingParams  # traced: how q is warped when children are sampled
-    key: jax.Array
-    features: Any = None  # target features at the root (feature drafters)
-    active: Any = None  # bool [B]: rows still generating (None: all); a finished row's draft is never verified
-    # `stop(d, score_BxN) -> bool []`: a chain drafted depth by depth may stop after its d-th token
-    # (traced d >= 1; score: cumulative log q so far, -inf past d); the nodes past it stay invalid,
-    # their drafting steps are not run. None: draft the whole tree (the adaptive shape sets it).
-    stop: Any = None
+    key: PRNGKey
+    active: Bool[Array, "B"] | None = None  # rows still generating (None: all); a finished row's draft is never verified
+    stop: StopRule | None = None  # a chain drafted depth by depth may stop early (None: draft the whole tree)
 
 
 @jax.tree_util.register_dataclass
@@ -96,8 +102,8 @@ class SourceScores:
     drafter said overwrites another's. Values are cumulative log q from the root; 0 where absent."""
     cheap: Float[Array, "B N"]  # the cheap drafter's, on the nodes it proposed
     strong: Float[Array, "B N"]  # the strong drafter's, on the nodes it scored or grafted
-    has_cheap: Any  # bool [B, N]
-    has_strong: Any  # bool [B, N]
+    has_cheap: Bool[Array, "B N"]
+    has_strong: Bool[Array, "B N"]
     origin: Int[Array, "B N"]  # index of the node in the candidate pool (cheap tree, then grafts)
 
 
@@ -106,7 +112,7 @@ class SourceScores:
 class Proposal:
     tree: TreeBuffers
     probs: Float[Array, "B N V"] | None  # q(·|node) the node's children were drawn from
-    state: Any
+    state: PyTree  # the drafter's state after drafting
     scores: SourceScores | None = None  # multi-drafter trees only
 
 
@@ -117,15 +123,45 @@ class Committed:
     target's committed state after the round."""
     tokens: Int[Array, "B D+1"]  # padded with 0 past `count`
     count: Int[Array, "B"]  # accepted + 1 (the root); 0 for a finished row
-    positions: Int[Array, "B D+1"]  # absolute positions of `tokens`
-    features: Any = None  # target hidden states along the accepted path (drafters with target_layers)
+    # target hidden states along the accepted path, the drafter's `target_layers` concatenated (None: it reads none)
+    features: Float[Array, "B D+1 F"] | None = None
     # The target's cache after this round's commit: a `KVCache` (length = committed tokens), or for a
     # hybrid target a `HybridCache` whose `state` / `conv` are the recurrent and convolution states
     # after the last accepted token (design §5; ReaDy reads them).
-    target: Any = None
+    target: KVCache | HybridCache | None = None
     # tree node indices of `tokens` in this round's proposed tree (the accepted path, root = 0; valid
     # below `count`): a drafter that precomputed something per node of its own tree reads it (DPara)
-    nodes: Any = None
+    nodes: Int[Array, "B D+1"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What `load_drafter` hands a drafter class's `load`; each class takes the ones in its
+    `load_options` and `load_drafter` refuses the others before anything is read."""
+    fold: Any = None  # a `specjax.fold.FoldConfig`: FOLD attention (lm, feature)
+    target_path: str | None = None  # the target's directory (weights digest; MTP layers of the target's own checkpoint)
+    confidence: Any = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
+    costs: tuple[float, ...] | None = None  # round seconds per verify width (schedule / TAPS)
+    draft_vocab: int | None = None  # N: a reduced draft vocabulary (feature, MTP)
+
+    def given(self) -> tuple[str, ...]:
+        """The options set to something other than their default (target_path is context, not an option)."""
+        default = LoadOptions()
+        return tuple(f.name for f in dataclasses.fields(self)
+                     if f.name != "target_path" and getattr(self, f.name) != getattr(default, f.name))
+
+
+REGISTRY: dict[str, type] = {}
+
+
+def register(cls):
+    """Class decorator: the drafter kind `cls.name` is loaded by `cls.load` (`load_drafter`: a
+    directory whose `drafter_config.json` says `"drafter": name`, or the bare name where the class
+    sets `by_name`)."""
+    if REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"drafter kind {cls.name!r} is registered twice ({REGISTRY[cls.name].__name__}, {cls.__name__})")
+    REGISTRY[cls.name] = cls
+    return cls
 
 
 class Drafter(nnx.Module):
@@ -135,13 +171,19 @@ class Drafter(nnx.Module):
     target_layers: tuple[int, ...] = ()
     gives_q: ClassVar[bool] = False
     can_score: ClassVar[bool] = False
-    reads_target_state: ClassVar[bool] = False
     attends: ClassVar[bool] = False
     drafts_matches: ClassVar[bool] = False
     stops_early: ClassVar[bool] = False
     reads_own_tree: ClassVar[bool] = False
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
     partition_rules: ClassVar[tuple] = transformer.PARTITION_RULES
+    by_name: ClassVar[bool] = False  # `load_drafter(name)` loads it without a directory (ngram, mtp)
+    load_options: ClassVar[frozenset[str]] = frozenset()  # the `LoadOptions` its `load` takes
+
+    @classmethod
+    def load(cls, spec: str, target, options: LoadOptions) -> "Drafter":
+        """The drafter `spec` names (a directory, or the bare name of a `by_name` class), for `target`."""
+        raise TypeError(f"the {cls.name!r} drafter is built in Python, not loaded (it defines no load)")
 
     # -- the protocol (traced)
 
@@ -172,7 +214,6 @@ class Drafter(nnx.Module):
     def check_tree(self, spec: TreeSpec, rule: str) -> int:
         """On the host before tracing: ValueError on a setup this drafter cannot draft; returns the
         scratch slots it needs past its cache's committed length beyond the tree's own (0)."""
-        from specjax.tree import BestFirstTree
         if isinstance(spec, BestFirstTree):
             raise ValueError(f"a best-first tree (ddtree / treeflash) is drafted from a block drafter's per-depth "
                              f"tables; the {self.name!r} drafter gives none (use a chain, a path list or a dynamic tree)")
@@ -207,3 +248,86 @@ class Drafter(nnx.Module):
         """Traced: PartitionSpecs for the state on a (data, model) mesh, a prefix of its pytree
         (`specjax.sharding.constrain` pins the loop's drafter state to it every round)."""
         return sharding.batch_partition(state, batch)
+
+
+class Composite(Drafter):
+    """A drafter built over others (AdaptiveShape over one, TreeGraft over two): `PARTS` names the
+    attributes holding what it wraps, `rebuild(**parts)` makes the same composite over other parts.
+    Everything the contract declares is forwarded from the parts unless the composite overrides it,
+    so wrapping a drafter never drops a capability or a hook:
+
+        vocab_size        the parts' one vocabulary (None only if every part works with any)
+        target_layers     the union of the parts' (the engine gathers them once for all)
+        attends           any part's (FOLD composes through: `with_fold` reaches each part that attends)
+        partition_rules   every part's rules (regexes on the parameter path also match under the part's
+                          attribute), so a wrapped drafter is sharded on a mesh as the bare one
+        resolve_tree, default_tree, verify_widths   the primary part's (`PRIMARY`, default the first)
+        check_tree        every part's (the scratch they need: the most any asks)
+        validate          every part's
+        loop_stats        every part's, merged (a name two parts share: prefixed with the attribute)
+    """
+    PARTS: ClassVar[tuple[str, ...]] = ()
+    PRIMARY: ClassVar[str] = ""  # the part whose tree hooks are forwarded (default: the first)
+
+    def primary(self) -> Drafter:
+        return getattr(self, self.PRIMARY or self.PARTS[0])
+
+    def parts(self) -> tuple[Drafter, ...]:
+        return tuple(getattr(self, n) for n in self.PARTS)
+
+    def rebuild(self, **parts) -> "Composite":
+        """The same composite (same settings) over other parts (e.g. with FOLD on)."""
+        raise TypeError(f"{type(self).__name__} does not define rebuild")
+
+    @property
+    def vocab_size(self):
+        sizes = {p.vocab_size for p in self.parts()} - {None}
+        if len(sizes) > 1:
+            raise ValueError(f"the drafters {type(self).__name__} combines have different vocabularies: {sorted(sizes)}")
+        return sizes.pop() if sizes else None
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set().union(*(p.target_layers for p in self.parts()))))
+
+    @property
+    def attends(self) -> bool:
+        return any(p.attends for p in self.parts())
+
+    @property
+    def partition_rules(self) -> tuple:
+        rules = []
+        for p in self.parts():
+            rules += [r for r in p.partition_rules if r not in rules]
+        return tuple(rules)
+
+    @property
+    def default_tree(self) -> str:
+        return self.primary().default_tree
+
+    def resolve_tree(self, spec: TreeSpec) -> TreeSpec:
+        return self.primary().resolve_tree(spec)
+
+    def check_tree(self, spec: TreeSpec, rule: str) -> int:
+        return max(p.check_tree(spec, rule) for p in self.parts())
+
+    def validate(self, capacity: int) -> None:
+        for p in self.parts():
+            p.validate(capacity)
+
+    def verify_widths(self, spec: TreeSpec) -> tuple[int, ...]:
+        return self.primary().verify_widths(spec)
+
+    def with_fold(self, cfg) -> "Drafter":
+        """FOLD on (or off) in every part that attends; ValueError when none does."""
+        if cfg is not None and not self.attends:
+            raise ValueError(f"FOLD changes a drafter's attention; none of the drafters {type(self).__name__} "
+                             f"combines ({', '.join(repr(p.name) for p in self.parts())}) has any")
+        return self.rebuild(**{n: (p.with_fold(cfg) if p.attends else p) for n, p in zip(self.PARTS, self.parts())})
+
+    def loop_stats(self, state) -> dict:
+        out: dict = {}
+        for n, p in zip(self.PARTS, self.parts()):
+            for k, v in p.loop_stats(getattr(state, n)).items():
+                out[f"{n}_{k}" if k in out else k] = v
+        return out

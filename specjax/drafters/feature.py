@@ -22,9 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
-from specjax.drafters import heads, vocab as vocab_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax import attention as attention_lib
+from specjax import fold as fold_lib
+from specjax import kvcache, sampling
+from specjax import tree as tree_lib
+from specjax.drafters import heads
+from specjax.drafters import vocab as vocab_lib
+from specjax.drafters.base import Committed, DraftContext, LoadOptions, Proposal, register
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
@@ -172,11 +176,13 @@ def target_features(out: transformer.ForwardOutput):
     return jnp.concatenate(out.hidden, axis=-1)
 
 
+@register
 class FeatureDrafter(heads.HeadDrafter):
     name = "feature"
+    attends = True
+    load_options = frozenset({"fold", "draft_vocab"})
     gives_q = True
     can_score = True
-    attends = True
     stops_early = True
 
     def __init__(self, head: FeatureHead, target: Model, fold=None, draft_vocab=None):
@@ -184,11 +190,15 @@ class FeatureDrafter(heads.HeadDrafter):
         `draft_vocab`: token ids [N] of a reduced draft vocabulary (`specjax.drafters.vocab`: the LM
         head's N rows only; q is zero elsewhere); None: the full vocabulary."""
         self.check_target(head.config, target, "feature")
-        from specjax import fold as fold_lib
         self.head = head
         self.target = target  # shared: embedding and LM head
         self.fold = fold_lib.check(fold)  # static: FOLD attention in every step (None: plain)
         self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
+
+    @classmethod
+    def load(cls, spec: str, target, options: LoadOptions) -> "FeatureDrafter":
+        ids = vocab_lib.draft_ids_or_none(spec, target.config.vocab_size, options.draft_vocab)
+        return cls(load_feature_head(spec, dtype=target.config.dtype), target, fold=options.fold, draft_vocab=ids)
 
     @property
     def _vocab(self):
@@ -203,12 +213,10 @@ class FeatureDrafter(heads.HeadDrafter):
     def attention(self):
         """The attention of every step: FOLD's (`specjax.fold.FoldAttention`, the target's RoPE), or
         None (plain)."""
-        from specjax import fold as fold_lib
         return fold_lib.FoldAttention.for_model(self.fold, self.target.config)
 
     def validate(self, capacity: int) -> None:
         """Called by the engine before tracing: FOLD's window must fit the cache."""
-        from specjax import fold as fold_lib
         fold_lib.validate(self.fold, capacity)
 
     def _empty_cache(self, B, capacity):

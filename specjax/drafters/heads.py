@@ -10,6 +10,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from specjax.drafters.base import Drafter
 
@@ -21,7 +23,6 @@ def save_head(head: nnx.Module, path: str, kind: str, dtype=None, only: tuple[st
               extra: dict | None = None) -> None:
     """Writes `head.config` (and `extra` keys) and its parameters (cast to `dtype` when given, e.g.
     bf16; `only`: the parameters under these top-level names)."""
-    from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
     cast = (lambda x: x) if dtype is None else (lambda x: jnp.asarray(x, dtype))
@@ -47,8 +48,6 @@ def read_config(path: str, kind: str) -> dict:
 def load_params(head: nnx.Module, path: str, dtype, also: tuple[str, ...] = ()) -> nnx.Module:
     """Fills an (abstract) head with the stored parameters, checking names and shapes (`also`:
     further directories whose tensors fill what `path` does not hold, e.g. a TreeFlash head's backbone)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
     file = os.path.join(path, WEIGHTS_FILE)
     tensors = {}
     for d in also + (path,):

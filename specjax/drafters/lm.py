@@ -12,27 +12,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling, tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
+from specjax import fold as fold_lib
+from specjax import sampling
+from specjax import tree as tree_lib
+from specjax.checkpoint import load_model
+from specjax.drafters.base import Committed, DraftContext, Drafter, LoadOptions, Proposal, register
 from specjax.models import family
 from specjax.models.transformer import Model
 
 
+@register
 class LMDrafter(Drafter):
+    """An independent small causal LM with the target's tokenizer (any Hugging Face directory)."""
     name = "lm"
+    attends = True
+    load_options = frozenset({"fold"})
     gives_q = True
     can_score = True
-    attends = True
     stops_early = True
 
     def __init__(self, model: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
-        from specjax import fold as fold_lib
         if fold is not None and not isinstance(model, Model):
             raise ValueError(f"FOLD replaces a dense transformer drafter's attention; the lm drafter is a "
                              f"{type(model).__name__}")
         self.model = model
         self.fold = fold_lib.check(fold)  # static: FOLD attention in every forward (None: the model's own)
+
+    @classmethod
+    def load(cls, spec: str, target, options: LoadOptions) -> "LMDrafter":
+        return cls(load_model(spec, dtype=target.config.dtype), fold=options.fold)
 
     def with_fold(self, cfg) -> "LMDrafter":
         """The same drafter (same model) with FOLD on (`cfg`) or off (None)."""
@@ -41,7 +50,6 @@ class LMDrafter(Drafter):
     @property
     def attention(self):
         """FOLD's attention for the forwards (`specjax.fold.FoldAttention`), or None (the model's own)."""
-        from specjax import fold as fold_lib
         return fold_lib.FoldAttention.for_model(self.fold, self.model.config)
 
     @property
@@ -51,7 +59,6 @@ class LMDrafter(Drafter):
 
     def validate(self, capacity: int) -> None:
         """Called by the engine before tracing: FOLD's window must fit the cache."""
-        from specjax import fold as fold_lib
         fold_lib.validate(self.fold, capacity)
 
     @property
@@ -62,8 +69,7 @@ class LMDrafter(Drafter):
         fam = family(self.model)
         cache = fam.init_cache(self.model, prompt_BxP.shape[0], capacity)
         if self.fold is not None:  # FOLD: the prompt in chunks under FOLD attention
-            from specjax import fold as fold_lib
-            return fold_lib.prefill(self.model, prompt_BxP, lengths_B, cache, attention=self.attention).cache
+                return fold_lib.prefill(self.model, prompt_BxP, lengths_B, cache, attention=self.attention).cache
         return fam.prefill(self.model, prompt_BxP, lengths_B, cache).cache
 
     def propose(self, cache, root_B, ctx: DraftContext) -> Proposal:

@@ -26,18 +26,26 @@ nodes of its path that ran the same layer. `train.mtp` trains exactly this (`ttt
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
-from specjax import attention as attention_lib, kvcache, sampling, tree as tree_lib
-from specjax.drafters import heads, vocab as vocab_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax import attention as attention_lib
+from specjax import kvcache, sampling
+from specjax import tree as tree_lib
+from specjax.checkpoint import mtp_num_layers, mtp_tensor_names, read_mtp_tensors, write_mtp_tensors
+from specjax.drafters import heads
+from specjax.drafters import vocab as vocab_lib
+from specjax.drafters.base import Committed, DraftContext, LoadOptions, Proposal, register
 from specjax.kvcache import KVCache
-from specjax.models import family, transformer
+from specjax.models import family, hybrid, transformer
+from specjax.models.config import HybridConfig
 from specjax.models.transformer import Linear, linear
 from specjax.typing import Array, Float
 
@@ -78,8 +86,6 @@ class MTPHead(nnx.Module):
 
 def family_of(target_cfg):
     """The model family module of a target config (hybrid or dense)."""
-    from specjax.models import hybrid
-    from specjax.models.config import HybridConfig
     return hybrid if isinstance(target_cfg, HybridConfig) else transformer
 
 
@@ -179,8 +185,11 @@ class MTPState:
     scratch: Float[Array, "B S E"]  # own output h' of each evaluated tree node, by scratch slot
 
 
+@register
 class MTPDrafter(heads.HeadDrafter):
     name = KIND
+    by_name = True  # `mtp`: the MTP layers of the target's own checkpoint (LoadOptions.target_path)
+    load_options = frozenset({"draft_vocab"})
     gives_q = True
     stops_early = True
 
@@ -193,6 +202,19 @@ class MTPDrafter(heads.HeadDrafter):
         self.head = head
         self.target = target  # shared: embedding, LM head, final norm
         self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
+
+    @classmethod
+    def load(cls, spec: str, target, options: LoadOptions) -> "MTPDrafter":
+        """`mtp`: the MTP layers shipped in the target's own checkpoint (`options.target_path`); or an
+        MTP drafter directory."""
+        path = spec
+        if spec == KIND:
+            if options.target_path is None:
+                raise ValueError("drafter 'mtp' drafts with the MTP layers of the target's own checkpoint: "
+                                 "give the target's directory")
+            path = options.target_path
+        ids = vocab_lib.draft_ids_or_none(path, target.config.vocab_size, options.draft_vocab)
+        return cls(load_mtp_head(path, target.config, dtype=target.config.dtype), target, ids)
 
     @property
     def _vocab(self):
@@ -270,7 +292,6 @@ class MTPDrafter(heads.HeadDrafter):
 
 def mtp_tensors(head: MTPHead, dtype=None) -> dict[str, np.ndarray]:
     """The head's parameters under Qwen3-Next's `mtp.*` names, in HF layout ([out, in] matrices)."""
-    from specjax.checkpoint import mtp_tensor_names
     flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
     out = {}
     for name, (path, shape, transposed) in mtp_tensor_names(head.target_config, head.config.num_layers).items():
@@ -282,7 +303,6 @@ def mtp_tensors(head: MTPHead, dtype=None) -> dict[str, np.ndarray]:
 
 def head_from_tensors(tensors: dict, target_cfg, where: str, dtype=None) -> MTPHead:
     """An `MTPHead` for `target_cfg` filled from `mtp.*` tensors (names and shapes checked)."""
-    from specjax.checkpoint import mtp_num_layers, mtp_tensor_names
     n = mtp_num_layers(tensors)
     if n == 0:
         raise ValueError(f"{where}: no MTP layers (no mtp.layers.* tensors)")
@@ -308,15 +328,11 @@ def head_from_tensors(tensors: dict, target_cfg, where: str, dtype=None) -> MTPH
 def save_mtp_head(head: MTPHead, path: str, dtype=jnp.bfloat16, *, into_target: bool = False) -> None:
     """Writes the head's `mtp.*` tensors: into a target directory's own safetensors (`into_target`,
     as Qwen3-Next ships it), or into a directory of its own with `drafter_config.json`."""
-    import json
-    import os
 
-    from specjax.checkpoint import write_mtp_tensors
     tensors = mtp_tensors(head, dtype)
     if into_target:
         write_mtp_tensors(path, tensors)
         return
-    from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     cfg = dataclasses.asdict(head.config)
     cfg["target_layers"] = list(cfg["target_layers"])
@@ -328,9 +344,7 @@ def save_mtp_head(head: MTPHead, path: str, dtype=jnp.bfloat16, *, into_target: 
 def load_mtp_head(path: str, target_cfg, dtype=None) -> MTPHead:
     """The MTP module of `path`: a target directory whose safetensors ship `mtp.*` tensors, or a
     directory of its own (`drafter_config.json` {"drafter": "mtp"})."""
-    import os
 
-    from specjax.checkpoint import read_mtp_tensors
     if os.path.exists(os.path.join(path, heads.CONFIG_FILE)):
         raw = heads.read_config(path, KIND)
         if raw.get("hidden_size") != target_cfg.hidden_size or raw.get("vocab_size") != target_cfg.vocab_size:
@@ -347,9 +361,7 @@ def merge_into_target(mtp_dir: str, target_dir: str) -> None:
     """Copies a trained module's `mtp.*` tensors (a directory of its own) into the target's own
     safetensors, as a Qwen3-Next checkpoint ships them; the target's weight digest is unchanged.
     The token ranking (a reduced draft vocabulary's) goes beside them, where there is one."""
-    import shutil
 
-    from specjax.checkpoint import read_mtp_tensors, write_mtp_tensors
     tensors = read_mtp_tensors(mtp_dir)
     if not tensors:
         raise ValueError(f"{mtp_dir}: no mtp.* tensors")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
+from specjax.drafters.base import Committed, DraftContext, Drafter, LoadOptions, Proposal, register
 from specjax.typing import Array, Int
 
 
@@ -43,8 +43,10 @@ def _write(buf_BxC, new_BxT, start_B):
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s,)))(buf_BxC, new_BxT, start_B)
 
 
+@register
 class NgramDrafter(Drafter):
     name = "ngram"
+    by_name = True
     # Its candidates are matches of the context, not draws from a q: no scores to expand a tree by
     # (a tree spec asks for a trie of the best matches, `branches_of`), and free to draft. TreeGraft
     # reads it to pick the cheap candidate tree. (gives_q = False, the base default, says only that
@@ -55,6 +57,14 @@ class NgramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    @classmethod
+    def load(cls, spec: str, target, options: LoadOptions) -> "NgramDrafter":
+        """`ngram`, or `ngram:N` for the longest n-gram N."""
+        n = spec.partition(":")[2]
+        if n and not n.isdigit():
+            raise ValueError(f"drafter {spec!r}: expected ngram or ngram:N")
+        return cls(max_ngram=int(n)) if n else cls()
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> History:
         B, P = prompt_BxP.shape

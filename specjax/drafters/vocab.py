@@ -17,6 +17,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 RANKING_FILE = "token_ranking.safetensors"
 
@@ -32,14 +33,12 @@ def token_ranking(token_ids, vocab_size: int) -> np.ndarray:
 
 
 def save_ranking(path: str, ranking: np.ndarray) -> None:
-    from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     save_file({"token_ids": np.asarray(ranking, np.int32)}, os.path.join(path, RANKING_FILE))
 
 
 def read_ranking(path: str, vocab_size: int) -> np.ndarray:
     """The stored ranking, checked to be a permutation of the target's vocabulary."""
-    from safetensors.numpy import load_file
     file = os.path.join(path, RANKING_FILE)
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file}: no token ranking, so no reduced draft vocabulary "
@@ -55,6 +54,11 @@ def draft_ids(path: str, vocab_size: int, n: int) -> np.ndarray:
     if not isinstance(n, (int, np.integer)) or not 1 <= n <= vocab_size:
         raise ValueError(f"draft vocabulary {n!r}: expected a token count in 1..{vocab_size}")
     return read_ranking(path, vocab_size)[:n]
+
+
+def draft_ids_or_none(path: str, vocab_size: int, n: int | None) -> np.ndarray | None:
+    """`draft_ids`, or None (the full vocabulary) when `n` is None."""
+    return None if n is None else draft_ids(path, vocab_size, n)
 
 
 def head_rows(target, ids) -> jnp.ndarray:

@@ -24,8 +24,9 @@ target-agnostic through `family(model)`:
 """
 
 
+from specjax.models import hybrid, transformer  # noqa: E402  (after the docstring's table)
+
+
 def family(model):
     """The module whose functions run `model`: `hybrid` for a HybridModel, else `transformer`."""
-    from specjax.models import hybrid, transformer
-
     return hybrid if isinstance(model, hybrid.HybridModel) else transformer
