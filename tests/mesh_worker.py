@@ -2,6 +2,7 @@
 once, when jax is imported: the other tests keep one device). Prints one JSON line per check.
 
     python tests/mesh_worker.py generate              # 8 devices: meshes (8,1), (2,4), (1,8)
+    python tests/mesh_worker.py composite             # 8 devices: composites forward the contract on (2,4)
     python tests/mesh_worker.py distributed           # one of 2 processes (SPECJAX_* env), 4 devices each
     python tests/mesh_worker.py train CONFIG RUN_DIR  # 8 devices: the LM trainer on a mesh and on one device
 """
@@ -117,6 +118,52 @@ def generate() -> None:
             emit(check="layout", target=tname, mesh=list(shape), checked=checked, wrong=wrong, sample=sample)
 
 
+def composite() -> None:
+    """A wrapped block drafter is placed on mesh (2,4) like the bare one (AdaptiveShape, TreeGraft
+    forward `partition_rules`), and FOLD composes through TreeGraft: greedy output on the mesh equals
+    one device's autoregressive output."""
+    import jax
+    from flax import nnx
+
+    from helpers import noisy_copy, tiny_target
+    from specjax import engine, sharding, widths
+    from specjax.adaptive import AdaptiveShape
+    from specjax.drafters import BlockConfig, BlockDrafter, BlockHead, LMDrafter, NgramDrafter
+    from specjax.fold import FoldConfig
+    from specjax.models import family
+    from specjax.treegraft import TreeGraft
+    assert len(jax.devices()) == 8, jax.devices()
+    target = tiny_target(160, seed=0)
+    prompts = _prompts(target.config.vocab_size)
+    mesh = sharding.make_mesh(2, 4)
+    bare = BlockDrafter(BlockHead(BlockConfig.for_target(target.config, block_size=4, num_layers=1, markov_rank=8,
+                                                         target_layers=(0, 1)), nnx.Rngs(1)), target)
+    batch = engine.prepare_prompts(prompts, target.config.vocab_size, NEW_TOKENS, slack=16)
+
+    def layout(d, under: str) -> dict:
+        """The block head's parameters as placed: {path below the head: spec}."""
+        _, state = nnx.split((target, d))
+        placed, _, _ = engine._placed(mesh, state, (family(target).PARTITION_RULES, d.partition_rules), batch, ())
+        out = {}
+        for kp, x in jax.tree_util.tree_flatten_with_path(placed[1])[0]:
+            path = sharding.path_str(kp)
+            if path.startswith(under + "head/"):
+                out[path[len(under):]] = _spec(x)
+        return out
+
+    wrapped = {"adaptive": (AdaptiveShape(bare, (1.0,) * len(widths.adaptive_widths(5))), "inner/"),
+               "treegraft": (TreeGraft(NgramDrafter(), bare), "strong/")}
+    ref_layout = layout(bare, "")
+    for name, (d, under) in wrapped.items():
+        emit(check="composite-layout", wrapper=name, bare=ref_layout, wrapped=layout(d, under))
+    folded = TreeGraft(NgramDrafter(), LMDrafter(noisy_copy(target, 0.05, 1))).with_fold(
+        FoldConfig(sinks=1, window=4, chunk=8))
+    ref = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS).sequences()
+    got = engine.generate(target, prompts, max_new_tokens=NEW_TOKENS, mesh=mesh, drafters=[folded])
+    emit(check="composite-fold", strong_fold=folded.strong.fold is not None, cheap=folded.cheap.name,
+         reference=ref, got=got.sequences(), tau=float(got.stats["tau"].mean()))
+
+
 def distributed() -> None:
     from specjax import sharding
     assert sharding.initialize_distributed()
@@ -199,4 +246,4 @@ def train(config_path: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    {"generate": generate, "distributed": distributed, "train": train}[sys.argv[1]](*sys.argv[2:])
+    {"generate": generate, "composite": composite, "distributed": distributed, "train": train}[sys.argv[1]](*sys.argv[2:])

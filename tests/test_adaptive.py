@@ -25,7 +25,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import (assert_first_two_follow, chi_square, noisy_copy, prefilled_state, spread_target, tiny_target)
+from helpers import (assert_first_two_follow, chi_square, noisy_copy, noisy_lm_drafter, prefilled_state, spread_target,
+                     tiny_target)
 from specjax import adaptive as A, engine, tree as T, verify as V, widths as W
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.drafters.base import Committed, DraftContext
@@ -44,8 +45,7 @@ def costs(widths, slope=0.1):
 
 @pytest.fixture(scope="module")
 def dense():
-    target = tiny_target(VOCAB)
-    return target, LMDrafter(noisy_copy(target, 0.1, 1))
+    return tiny_target(VOCAB), noisy_lm_drafter(VOCAB, seed=1)  # shared (helpers), as test_treegraft's
 
 
 def _prompts(batch, seed=0):

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import compare_greedy, noisy_copy, tiny_target
+from helpers import compare_greedy, noisy_lm_drafter, tiny_target
 from pallas_kernels import reference as ref
 from specjax import engine, fold, kvcache, tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter, load_drafter
@@ -42,12 +42,12 @@ FAR = FoldConfig(sinks=2, window=16, chunk=16, sharpen=0.5)  # far keys from ~34
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(VOCAB)
+    return tiny_target(VOCAB)  # shared (helpers), as test_speculative's
 
 
 @pytest.fixture(scope="module")
-def lm_drafter(target):
-    return LMDrafter(noisy_copy(target, 0.1, 9))
+def lm_drafter():
+    return noisy_lm_drafter(VOCAB)  # the target plus noise (scale 0.1, seed 9)
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,21 @@ def test_sharded_generation_equals_one_device_with_declared_layouts():
     _check_layouts(mesh_records)
 
 
+def test_composites_forward_the_contract_on_a_mesh():
+    """AdaptiveShape and TreeGraft forward their block drafter's `partition_rules`: on mesh (2,4) its
+    parameters are placed as the bare drafter's (the Markov tables over `model`); and FOLD composes
+    through TreeGraft (on its strong lm drafter), greedy output on the mesh equal to one device's."""
+    recs = _run(["composite"], devices=8)
+    layouts = [r for r in recs if r["check"] == "composite-layout"]
+    assert {r["wrapper"] for r in layouts} == {"adaptive", "treegraft"}
+    for r in layouts:
+        assert r["wrapped"] == r["bare"], f"{r['wrapper']}: placed unlike the bare drafter"
+        assert "model" in r["bare"]["head/markov_embed"], r["bare"]["head/markov_embed"]
+    (fold,) = [r for r in recs if r["check"] == "composite-fold"]
+    assert fold["strong_fold"] and fold["cheap"] == "ngram"
+    _compare(fold["reference"], fold["got"], "TreeGraft with FOLD on mesh (2,4)")
+
+
 def _check_outputs(mesh_records):
     gens = [r for r in mesh_records if r["check"] == "generate"]
     seen = {(r["target"], r["drafter"], tuple(r["mesh"])) for r in gens}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, noisy_copy, tiny_drafter_model, tiny_target
+from helpers import compare_greedy, noisy_lm_drafter, tiny_drafter_model, tiny_target
 from specjax import engine
 from specjax.drafters import LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -18,12 +18,12 @@ TREES = ["chain=4", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]", "depth=
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(VOCAB)
+    return tiny_target(VOCAB)  # the shared tiny target (helpers), as test_verify_width's and test_fold's
 
 
 @pytest.fixture(scope="module")
-def noisy_drafter(target):
-    return LMDrafter(noisy_copy(target, 0.1, 9))
+def noisy_drafter():
+    return noisy_lm_drafter(VOCAB)  # the target plus noise (scale 0.1, seed 9)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
-from helpers import chi_square, compare_greedy, noisy_copy, tiny_drafter_model, tiny_target
+from helpers import chi_square, compare_greedy, noisy_lm_drafter, tiny_drafter_model, tiny_target
 from specjax import engine, scheduler as sched_lib, tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -50,12 +50,12 @@ def _cheap_compiles():
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(VOCAB)
+    return tiny_target(VOCAB)  # shared (helpers), as test_adaptive's
 
 
 @pytest.fixture(scope="module")
-def strong(target):
-    return LMDrafter(noisy_copy(target, 0.1, 1))
+def strong():
+    return noisy_lm_drafter(VOCAB, seed=1)  # the target plus noise (scale 0.1), as test_adaptive's
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, noisy_copy, tiny_target
+from helpers import compare_greedy, noisy_lm_drafter, tiny_target
 from specjax import engine, tree as tree_lib, verify as verify_lib
-from specjax.drafters import Drafter, LMDrafter
+from specjax.drafters import Drafter
 from specjax.models import hybrid, transformer
 from specjax.sampling import SamplingParams
 
@@ -78,12 +78,12 @@ class CutDrafter(Drafter):
 
 @pytest.fixture(scope="module")
 def dense_target():
-    return tiny_target(VOCAB)
+    return tiny_target(VOCAB)  # shared (helpers), as test_speculative's
 
 
 @pytest.fixture(scope="module")
-def dense_drafter(dense_target):
-    return LMDrafter(noisy_copy(dense_target, 0.1, 9))
+def dense_drafter():
+    return noisy_lm_drafter(VOCAB)  # the target plus noise (scale 0.1, seed 9)
 
 
 @pytest.fixture(scope="module")

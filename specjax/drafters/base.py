@@ -57,13 +57,14 @@ hooks (traced)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 from flax import nnx
 from jaxtyping import PyTree
 
 from specjax import sharding
+from specjax.fold import FoldConfig
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.hybrid import HybridCache
@@ -138,9 +139,9 @@ class Committed:
 class LoadOptions:
     """What `load_drafter` hands a drafter class's `load`; each class takes the ones in its
     `load_options` and `load_drafter` refuses the others before anything is read."""
-    fold: Any = None  # a `specjax.fold.FoldConfig`: FOLD attention (lm, feature)
+    fold: FoldConfig | None = None  # FOLD attention (lm, feature)
     target_path: str | None = None  # the target's directory (weights digest; MTP layers of the target's own checkpoint)
-    confidence: Any = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
+    confidence: str | float = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
     costs: tuple[float, ...] | None = None  # round seconds per verify width (schedule / TAPS)
     draft_vocab: int | None = None  # N: a reduced draft vocabulary (feature, MTP)
 
@@ -187,18 +188,18 @@ class Drafter(nnx.Module):
 
     # -- the protocol (traced)
 
-    def init(self, prompt_BxP, lengths_B, capacity: int, target_out) -> Any:
+    def init(self, prompt_BxP, lengths_B, capacity: int, target_out) -> PyTree:
         raise TypeError(f"{type(self).__name__} does not define init")
 
     def propose(self, state, root_B, ctx: DraftContext) -> Proposal:
         raise TypeError(f"{type(self).__name__} does not define propose")
 
-    def commit(self, state, committed: Committed) -> Any:
+    def commit(self, state, committed: Committed) -> PyTree:
         raise TypeError(f"{type(self).__name__} does not define commit")
 
     # -- optional hooks, with their defaults
 
-    def prepare(self, state, spec: TreeSpec) -> Any:
+    def prepare(self, state, spec: TreeSpec) -> PyTree:
         """Traced once, after `init` and before the first round: the state with whatever it keeps
         per tree node sized for `spec` (the adaptive shape's round buffers). Default: unchanged."""
         return state
