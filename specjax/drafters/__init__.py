@@ -1,27 +1,19 @@
 """Drafters: one file each behind the protocol in `base`; each registers itself (`base.register`), and
 `load_drafter` finds it by kind."""
+import inspect
 import json
 import os
 
 from specjax.checkpoint import weights_sha256
 from specjax.drafters import heads
-from specjax.drafters.base import (
-    REGISTRY,
-    Committed,
-    DraftContext,
-    Drafter,
-    LoadOptions,
-    Proposal,
-    SourceScores,
-    register,
-)
+from specjax.drafters.base import REGISTRY, Committed, DraftContext, Drafter, Proposal, SourceScores, register
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
 from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from specjax.drafters.ngram import NgramDrafter
 
-__all__ = ["REGISTRY", "LoadOptions", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
+__all__ = ["REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None,
@@ -37,16 +29,20 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     `target_path`: the target's directory; a drafter trained on other weights (its `train_info.json`
     records the digest) is refused: shapes alone do not tell two targets of the same size apart, and a
     foreign head silently drafts badly. Every option a kind does not take is refused before loading."""
-    options = LoadOptions(fold=fold, target_path=target_path, confidence=confidence or "off",
-                          costs=None if costs is None else tuple(costs), draft_vocab=draft_vocab)
+    given = {"fold": fold, "confidence": None if confidence in (None, "off") else confidence,
+             "costs": None if costs is None else tuple(costs), "draft_vocab": draft_vocab}
     kind = drafter_kind(spec)
     cls = REGISTRY[kind]
-    for name in options.given():
-        if name not in cls.load_options:
+    takes = inspect.signature(cls.load).parameters
+    for name, value in given.items():
+        if value is not None and name not in takes:
             raise ValueError(f"the {kind!r} drafter takes no {OPTION_WORDS[name]}")
     if os.path.isdir(spec) and target_path is not None:
         check_feature_target(spec, target_path)
-    return cls.load(spec, target, options)
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if "target_path" in takes:
+        kwargs["target_path"] = target_path
+    return cls.load(spec, target, **kwargs)
 
 
 OPTION_WORDS = {

@@ -64,7 +64,6 @@ from flax import nnx
 from jaxtyping import PyTree
 
 from specjax import sharding
-from specjax.fold import FoldConfig
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.hybrid import HybridCache
@@ -135,23 +134,6 @@ class Committed:
     nodes: Int[Array, "B D+1"] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """What `load_drafter` hands a drafter class's `load`; each class takes the ones in its
-    `load_options` and `load_drafter` refuses the others before anything is read."""
-    fold: FoldConfig | None = None  # FOLD attention (lm, feature)
-    target_path: str | None = None  # the target's directory (weights digest; MTP layers of the target's own checkpoint)
-    confidence: str | float = "off"  # a block drafter's confidence cut: "off", a threshold, or "schedule"
-    costs: tuple[float, ...] | None = None  # round seconds per verify width (schedule / TAPS)
-    draft_vocab: int | None = None  # N: a reduced draft vocabulary (feature, MTP)
-
-    def given(self) -> tuple[str, ...]:
-        """The options set to something other than their default (target_path is context, not an option)."""
-        default = LoadOptions()
-        return tuple(f.name for f in dataclasses.fields(self)
-                     if f.name != "target_path" and getattr(self, f.name) != getattr(default, f.name))
-
-
 REGISTRY: dict[str, type] = {}
 
 
@@ -179,11 +161,12 @@ class Drafter(nnx.Module):
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
     partition_rules: ClassVar[tuple] = transformer.PARTITION_RULES
     by_name: ClassVar[bool] = False  # `load_drafter(name)` loads it without a directory (ngram, mtp)
-    load_options: ClassVar[frozenset[str]] = frozenset()  # the `LoadOptions` its `load` takes
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "Drafter":
-        """The drafter `spec` names (a directory, or the bare name of a `by_name` class), for `target`."""
+    def load(cls, spec: str, target, **options) -> "Drafter":
+        """The drafter `spec` names (a directory, or the bare name of a `by_name` class), for `target`.
+        The keywords it declares are the `load_drafter` options it takes (fold, confidence, costs,
+        draft_vocab, target_path); `load_drafter` refuses any other before anything is read."""
         raise TypeError(f"the {cls.name!r} drafter is built in Python, not loaded (it defines no load)")
 
     # -- the protocol (traced)

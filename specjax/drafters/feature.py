@@ -28,7 +28,7 @@ from specjax import kvcache, sampling
 from specjax import tree as tree_lib
 from specjax.drafters import heads
 from specjax.drafters import vocab as vocab_lib
-from specjax.drafters.base import Committed, DraftContext, LoadOptions, Proposal, register
+from specjax.drafters.base import Committed, DraftContext, Proposal, register
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
@@ -180,7 +180,6 @@ def target_features(out: transformer.ForwardOutput):
 class FeatureDrafter(heads.HeadDrafter):
     name = "feature"
     attends = True
-    load_options = frozenset({"fold", "draft_vocab"})
     gives_q = True
     can_score = True
     stops_early = True
@@ -196,9 +195,9 @@ class FeatureDrafter(heads.HeadDrafter):
         self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "FeatureDrafter":
-        ids = vocab_lib.draft_ids_or_none(spec, target.config.vocab_size, options.draft_vocab)
-        return cls(load_feature_head(spec, dtype=target.config.dtype), target, fold=options.fold, draft_vocab=ids)
+    def load(cls, spec: str, target, *, fold=None, draft_vocab: int | None = None) -> "FeatureDrafter":
+        ids = vocab_lib.draft_ids_or_none(spec, target.config.vocab_size, draft_vocab)
+        return cls(load_feature_head(spec, dtype=target.config.dtype), target, fold=fold, draft_vocab=ids)
 
     @property
     def _vocab(self):

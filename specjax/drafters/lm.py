@@ -16,7 +16,7 @@ from specjax import fold as fold_lib
 from specjax import sampling
 from specjax import tree as tree_lib
 from specjax.checkpoint import load_model
-from specjax.drafters.base import Committed, DraftContext, Drafter, LoadOptions, Proposal, register
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, register
 from specjax.models import family
 from specjax.models.transformer import Model
 
@@ -26,7 +26,6 @@ class LMDrafter(Drafter):
     """An independent small causal LM with the target's tokenizer (any Hugging Face directory)."""
     name = "lm"
     attends = True
-    load_options = frozenset({"fold"})
     gives_q = True
     can_score = True
     stops_early = True
@@ -40,8 +39,8 @@ class LMDrafter(Drafter):
         self.fold = fold_lib.check(fold)  # static: FOLD attention in every forward (None: the model's own)
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "LMDrafter":
-        return cls(load_model(spec, dtype=target.config.dtype), fold=options.fold)
+    def load(cls, spec: str, target, *, fold=None) -> "LMDrafter":
+        return cls(load_model(spec, dtype=target.config.dtype), fold=fold)
 
     def with_fold(self, cfg) -> "LMDrafter":
         """The same drafter (same model) with FOLD on (`cfg`) or off (None)."""

@@ -42,7 +42,7 @@ from specjax import tree as tree_lib
 from specjax.checkpoint import mtp_num_layers, mtp_tensor_names, read_mtp_tensors, write_mtp_tensors
 from specjax.drafters import heads
 from specjax.drafters import vocab as vocab_lib
-from specjax.drafters.base import Committed, DraftContext, LoadOptions, Proposal, register
+from specjax.drafters.base import Committed, DraftContext, Proposal, register
 from specjax.kvcache import KVCache
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HybridConfig
@@ -188,8 +188,7 @@ class MTPState:
 @register
 class MTPDrafter(heads.HeadDrafter):
     name = KIND
-    by_name = True  # `mtp`: the MTP layers of the target's own checkpoint (LoadOptions.target_path)
-    load_options = frozenset({"draft_vocab"})
+    by_name = True  # `mtp`: the MTP layers of the target's own checkpoint (load's target_path)
     gives_q = True
     stops_early = True
 
@@ -204,16 +203,16 @@ class MTPDrafter(heads.HeadDrafter):
         self.vocab_ids, self.vocab_rows = vocab_lib.draft_vocab_vars(target, draft_vocab, head.config.vocab_size)
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "MTPDrafter":
-        """`mtp`: the MTP layers shipped in the target's own checkpoint (`options.target_path`); or an
-        MTP drafter directory."""
+    def load(cls, spec: str, target, *, target_path: str | None = None, draft_vocab: int | None = None) -> "MTPDrafter":
+        """`mtp`: the MTP layers shipped in the target's own checkpoint (`target_path`); or an MTP
+        drafter directory."""
         path = spec
         if spec == KIND:
-            if options.target_path is None:
+            if target_path is None:
                 raise ValueError("drafter 'mtp' drafts with the MTP layers of the target's own checkpoint: "
                                  "give the target's directory")
-            path = options.target_path
-        ids = vocab_lib.draft_ids_or_none(path, target.config.vocab_size, options.draft_vocab)
+            path = target_path
+        ids = vocab_lib.draft_ids_or_none(path, target.config.vocab_size, draft_vocab)
         return cls(load_mtp_head(path, target.config, dtype=target.config.dtype), target, ids)
 
     @property

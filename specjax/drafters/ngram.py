@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Drafter, LoadOptions, Proposal, register
+from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, register
 from specjax.typing import Array, Int
 
 
@@ -59,7 +59,7 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "NgramDrafter":
+    def load(cls, spec: str, target) -> "NgramDrafter":
         """`ngram`, or `ngram:N` for the longest n-gram N."""
         n = spec.partition(":")[2]
         if n and not n.isdigit():

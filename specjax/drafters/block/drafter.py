@@ -31,7 +31,7 @@ from specjax import kvcache, sampling
 from specjax import tree as tree_lib
 from specjax import widths as widths_lib
 from specjax.drafters import heads
-from specjax.drafters.base import Committed, DraftContext, LoadOptions, Proposal, register
+from specjax.drafters.base import Committed, DraftContext, Proposal, register
 from specjax.drafters.block.best_first import BestFirst
 from specjax.drafters.block.checkpoint import load_block_head
 from specjax.drafters.block.config import check_confidence
@@ -69,7 +69,6 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
     verify budget."""
     name = "block"
     gives_q = True
-    load_options = frozenset({"confidence", "costs"})
     # the dense table for the backbone's layers; the Markov head's tables split the vocabulary as the LM head
     partition_rules = transformer.PARTITION_RULES + (
         (r"markov_embed$", jax.sharding.PartitionSpec("model", None)),
@@ -122,9 +121,9 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         self.widths = None if widths is None else tuple(int(w) for w in widths)
 
     @classmethod
-    def load(cls, spec: str, target, options: LoadOptions) -> "BlockDrafter":
-        return cls(load_block_head(spec, dtype=target.config.dtype), target, confidence=options.confidence,
-                   costs=options.costs, path_calibration=read_path_calibration(spec))
+    def load(cls, spec: str, target, *, confidence="off", costs=None) -> "BlockDrafter":
+        return cls(load_block_head(spec, dtype=target.config.dtype), target, confidence=confidence, costs=costs,
+                   path_calibration=read_path_calibration(spec))
 
     def check_tree(self, spec, rule: str) -> int:
         W = self.head.config.block_size
