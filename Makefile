@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install demo models clean smollm2 smollm2-drafter
+.PHONY: test install demo report models clean smollm2 smollm2-drafter
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ test: install
 
 demo: install
 	$(BIN)/python -m tools.demo
+
+# docs/benchmarks.md, bench/headline.png and README's headline table from bench/*.json (after a bench run).
+report: install
+	$(BIN)/python -m tools.report
 
 # Reproduces the zoo (hours on a 2-core CPU; resumable: rerun the same command to continue).
 models: install

@@ -196,7 +196,7 @@ def _empty_tree(B: int, N: int) -> tree_lib.TreeBuffers:
 class AdaptiveShape(Composite):
     """`AdaptiveShape(drafter, costs)`: the drafter's tree, verified each round at the width that
     pays most (see the module docstring). `costs`: round seconds at each of `widths` (default
-    `widths.adaptive_widths(N)` of the tree), from `tools/profile_widths.py --adaptive` on this machine
+    `widths.adaptive_widths(N)` of the tree), from `python -m tools.profile_widths --adaptive` on this machine
     and batch size; `decay`: the history EMA's weight of the past; `calibration`: the offline
     acceptance counts (`AcceptanceCalibration`; None: g = q until observed); `calibration_decay`:
     the weight of the past per round of this generation's counts (1: no decay, what a fit uses);
@@ -257,7 +257,7 @@ class AdaptiveShape(Composite):
         widths = self.verify_widths(spec)
         if len(self.costs) != len(widths):
             raise ValueError(f"costs has {len(self.costs)} entries for the verify widths {widths} "
-                             f"(profile them: python tools/profile_widths.py --adaptive --tree ...)")
+                             f"(profile them: python -m tools.profile_widths --adaptive --tree ...)")
         return scratch
 
     def verify_widths(self, spec) -> tuple[int, ...]:

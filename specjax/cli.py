@@ -115,7 +115,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="AdaptiveSpec's adaptive tree shape (lossless): the drafter drafts --tree, and each round the "
                         "target verifies the best-scored nodes up to the compiled width that maximises expected tokens "
-                        "per second (--verify-profile from `tools/profile_widths.py --adaptive`)")
+                        "per second (--verify-profile from `python -m tools.profile_widths --adaptive`)")
     p.add_argument("--confidence", default="off", metavar="THRESHOLD|schedule|off",
                    help="a block drafter's (DSpark's) confidence cut, lossless under every rule: 'off' (default) "
                         "verifies the whole chain or tree; a threshold in (0, 1) stops each row's draft before its first "
@@ -129,7 +129,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "verification (the rest after it, in the rounds that reach them); default: every one")
     p.add_argument("--verify-profile", default=None, metavar="FILE",
                    help="with --confidence schedule: the verify-width cost profile of this machine, written by "
-                        "tools/profile_widths.py (default: bench/verify_profile_<model dir name>.json in the current "
+                        "python -m tools.profile_widths (default: bench/verify_profile_<model dir name>.json in the current "
                         "directory, else in the specjax repository)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="run sharded on a device mesh (design §10): batch rows over D devices, tensor parallel over "
@@ -493,7 +493,7 @@ def confidence_args(args: argparse.Namespace, n_prompts: int):
                          f"not {args.tree}")
     widths = widths_lib.chain_widths(spec.num_nodes)
     path = args.verify_profile or find_verify_profile(args.model)
-    make = (f"python tools/profile_widths.py --target {args.model} --drafter {drafter} --batch {n_prompts}"
+    make = (f"python -m tools.profile_widths --target {args.model} --drafter {drafter} --batch {n_prompts}"
             + (f" --tree {args.tree}" if args.tree is not None else f" --tree chain={cfg.block_size}"))
     if path is None:
         name = profile_lib.default_profile_name(args.model)
@@ -528,7 +528,7 @@ def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
         raise UsageError(f"--tree {args.tree}: {e}") from None
     widths = adaptive_widths(spec.num_nodes)
     tree = args.tree or d.default_tree
-    make = (f"python tools/profile_widths.py --adaptive --target {args.model} --drafter {args.drafter[0]} "
+    make = (f"python -m tools.profile_widths --adaptive --target {args.model} --drafter {args.drafter[0]} "
             f"--batch {n_prompts} --tree '{tree}'")
     path = args.verify_profile
     if path is None:

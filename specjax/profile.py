@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-TOOL = "python tools/profile_widths.py"
+TOOL = "python -m tools.profile_widths"
 
 
 def load_profile(path: str) -> dict:

@@ -15,14 +15,41 @@ import os
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread for torch (the reference models; read when torch is imported): the models are
+# small, and under `make test` two xdist workers share two cores, where a second thread only
+# spin-waits (test_zoo's transformers check of a shipped target: ~45 s with 2 threads under load,
+# ~7 s with 1). Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the CLI's persistent compilation cache stays off in tests (the tests that check it pass a folder)
 os.environ["SPECJAX_COMPILE_CACHE"] = "off"
 # The tests run tiny models, where compiling costs far more than running: XLA's CPU backend skips
 # LLVM's optimisation passes (machine-code quality only; XLA's own HLO passes still run, and every
-# test compares programs compiled alike). Set before jax is imported; subprocesses inherit it.
+# test compares programs compiled alike), and emits fusions with its classic emitters, not the
+# newer fusion emitters (which took 2-3x the compile time of a speculative-decoding program here:
+# ~3.6 s against ~1.5 s; the tokens are the same). Set before jax is imported; subprocesses and
+# xdist workers inherit it.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+    """Whether this jaxlib knows `flags` (XLA aborts the process on an unknown flag): one short
+    subprocess, run once per session by the first process that imports this file."""
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    try:
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                               timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+    _flags = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+    if _xla_accepts(_flags + " " + _CLASSIC_EMITTERS):
+        _flags += " " + _CLASSIC_EMITTERS
+    os.environ["XLA_FLAGS"] = _flags
 
 import numpy as np
 import pytest

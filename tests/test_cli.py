@@ -352,7 +352,7 @@ def test_block_drafter_confidence(capsys, tmp_path, monkeypatch, model_dir, load
     [sched2] = run_json(capsys, *base, "--confidence", "schedule")
     assert sched2["tokens"] == sched["tokens"]
     expect_usage_error(capsys, base[:-1] + ["chain=3", "--confidence", "schedule", "--verify-profile",
-                                            str(profile)], "rerun python tools/profile_widths.py")
+                                            str(profile)], "rerun python -m tools.profile_widths")
 
 
 def test_dpara_drafter_and_boundaries(capsys, model_dir, loaded, block_dirs):

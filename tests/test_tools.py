@@ -1,4 +1,10 @@
-"""The benchmark tools run end to end (on tiny random models: they check the tools, not speed)."""
+"""The benchmark tools run end to end (on tiny random models: they check the tools, not speed).
+
+The smoke runs share their programs: the same smoke models (`tools.harness.smoke_models`), prompts in
+one length bucket and 12 new tokens, so autoregressive and `lm chain=4` compile once for the bench,
+the round split and AdaptiveSpec; `profile_widths --adaptive` profiles the drafter and tree that
+`bench_adaptive` profiles (the persistent compilation cache of the run, tests/conftest.py, holds
+them); --smoke keeps its programs in memory (no `jax.clear_caches` between methods)."""
 import json
 
 
@@ -8,7 +14,7 @@ def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     # block drafters (made-up profile): the scheduler, a best-first tree from the one pass, the sampled rule
     block = ["dspark chain=4 schedule", "dflash chain=4 T=1 sampled", "dspark treeflash,nodes=8,rows=markov"]
     assert bench.main(["--smoke", "--methods", ",".join(["lm chain=4"] + block), "--tree-budgets", "8",
-                       "--plot-budgets", "--out", str(out)]) == 0
+                       "--new-tokens", "12", "--plot-budgets", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["ar", "ar T=1", "lm chain=4"] + block
     for r in rows[3:]:  # the draft-ms and verify-width columns
@@ -78,7 +84,7 @@ def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
     from tools import bench_adaptive
     from tools import profile_widths
     out = tmp_path / "adaptive"
-    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=2", "--margins", "3", "--new-tokens", "10",
+    assert bench_adaptive.main(["--smoke", "--adaptive-tree", "lm=chain=2", "--margins", "3", "--new-tokens", "12",
                                 "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {r["method"]: r for r in data["rows"]}
@@ -89,10 +95,11 @@ def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
     assert wide["tau"] > rows["lm chain=4"]["tau"] and wide["agreement"] < 1.0
     assert 1 <= rows["lm adaptive chain=2"]["mean_verify_width"] <= 3
     assert "rest_s" in data["meta"]["profiles"]["lm chain=2"] and out.with_suffix(".png").stat().st_size > 0
-    p = profile_widths.main(["--smoke", "--adaptive", "--batch", "1", "--tree", "chain=1",
+    # the lm drafter's chain=2 at batch 1: what bench_adaptive profiled above (its programs, cached)
+    p = profile_widths.main(["--smoke", "--adaptive", "--batch", "1", "--tree", "chain=2",
                              "--out", str(tmp_path / "p.json")])
     row = p["rows"]["1"]
-    assert p["adaptive"] and row["widths"] == [1, 2] and row["rest_s"] >= 0
+    assert p["adaptive"] and row["widths"] == [1, 2, 3] and row["rest_s"] >= 0
     assert all(a <= b for a, b in zip(row["round_s"], row["round_s"][1:]))
 
 
@@ -123,3 +130,39 @@ def test_bench_compile_smoke(tmp_path):
     parts = cold["jaxpr_eqns_by_part"]
     assert all(parts.get(p, 0) > 0 for p in ("prefill", "draft", "verify_forward", "verify_walk", "commit", "emit"))
     assert "| lm chain=4 | warm |" in out.with_suffix(".md").read_text()
+
+
+def test_report_in_sync_with_bench_results():
+    """docs/benchmarks.md and README's headline block are what `python -m tools.report` writes from
+    bench/*.json (all the schemas there): rerun it after a bench run."""
+    from tools import report
+    assert report.main(["--check"]) == 0, "stale: run python -m tools.report"
+
+
+def test_harness_schema_read_by_report(tmp_path):
+    """A file written by the harness carries the meta every bench records, and the report reads it:
+    its section, its row in the headline (with its date), README's block; --check sees a stale block."""
+    from tools import harness, report
+    meta = harness.run_meta("bench", ["--smoke", "--methods", "lm chain=4"], setup="zoo: code-target", batch=1,
+                            kind="functions")
+    rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0, "temperature": 0.0, "speedup": 1.0, "sequences": [[1]]},
+            {"method": "lm chain=4", "tokens_per_s": 15.0, "tau": 3.0, "temperature": 0.0, "speedup": 1.5}]
+    cols = [harness.Column("method", "method", right=False), harness.Column("tokens/s", "tokens_per_s", "{:.1f}")]
+    md = harness.write_outputs(tmp_path / "bench" / "bench_spec_x", meta, rows, cols, title="t", quiet=True)
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert {"cpu", "cores", "date", "command", "jax", "jaxlib", "backend", "device"} <= set(data["meta"])
+    assert data["meta"]["command"] == "python -m tools.bench --smoke --methods 'lm chain=4'"
+    assert "sequences" not in data["rows"][0] and "| lm chain=4 | 15.0 |" in md.read_text()
+    assert f"date: {meta['date']}" in md.read_text() and "Command: `python -m tools.bench" in md.read_text()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\nrest\n")
+    args = ["--bench", str(tmp_path / "bench"), "--doc", str(tmp_path / "doc.md"), "--readme", str(readme)]
+    assert report.main(args + ["--check"]) == 1
+    assert report.main(args) == 0 and report.main(args + ["--check"]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{report.END}\nrest\n")
+    assert "| code-target | lm drafter | `lm chain=4` | 3.00 | 1.50x |" in text and meta["date"] in text
+    assert "bench/headline.png" in text and (tmp_path / "bench" / "headline.png").stat().st_size > 0
+    assert "### bench_spec_x.json" in (tmp_path / "doc.md").read_text()
+    readme.write_text(text.replace("1.50x", "1.60x"))
+    assert report.main(args + ["--check"]) == 1

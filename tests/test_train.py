@@ -406,6 +406,63 @@ def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full
         _block_cfg(zoo, full_run, boundary=True, lag_decay=0)
 
 
+def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
+    """The offline target cache (issue 43): built once, resumed after a stop to the same bytes, read
+    back as the target's own features and top-k; a block drafter trains on it (DeepSpec's weighted
+    mean, the backbone from the target) to the online loss at step 0 when k = V, and drafts losslessly."""
+    import specjax
+    from specjax.checkpoint import load_tokenizer
+    from specjax.drafters import load_drafter
+    from specjax.models import transformer
+    from train import block, target_cache
+
+    target_dir = str(full_run["export"])
+    streams = lm.load_streams_for(load_tokenizer(target_dir), str(zoo["manifest"]), str(zoo["root"]), None, None)
+    out = zoo["base"] / "cache"
+    kw = dict(layers=(0, 1), topk=300, seq_len=32, shard_windows=4, batch=4, max_windows=10, progress=False)
+    m = target_cache.build(target_dir, streams.train, out, **kw)
+    assert m["done"] == m["shards"] == 3 and m["windows"] == 10
+    first = (out / "shard-00002" / "features.npy").read_bytes()
+    shutil.rmtree(out / "shard-00002")  # a build stopped before its last shard
+    man = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**man, "done": 2}))
+    with pytest.raises(ValueError, match="unfinished"):
+        target_cache.TargetCache(out)
+    target_cache.build(target_dir, streams.train, out, **kw)  # continues at shard 2
+    assert (out / "shard-00002" / "features.npy").read_bytes() == first
+    with pytest.raises(ValueError, match="other"):
+        target_cache.build(target_dir, streams.train, out, **{**kw, "topk": 8})
+    cache = target_cache.TargetCache(out, target_dir, (0, 1))
+    b = cache.batch([0, 9])
+    target = load_model(target_dir)
+    toks = jnp.asarray(b["tokens"])
+    ref = transformer.forward(target, toks, jnp.broadcast_to(jnp.arange(32)[None], (2, 32)),
+                              transformer.init_cache(target, 2, 32), transformer.causal_mask(2, 32), hidden_layers=(0, 1))
+    np.testing.assert_allclose(np.asarray(b["features"], np.float32), np.concatenate(ref.hidden, -1), rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(b["topk_ids"][..., 0], np.argmax(np.asarray(ref.logits), -1))
+    # the cached loss is the online loss (k = V: the whole distribution; features in bf16)
+    cfg = _block_cfg(zoo, full_run, name="tiny-dspark-cache", target_layers=(0, 1), l1_mean=True,
+                     init_from_target=True, intermediate_size=64, seq_len=32)
+    _, hcfg, head_of, _, _, init = block._fns(cfg, target_dir)
+    head = head_of(init()["params"])
+    top = target.layers[1]  # one backbone layer from the target's top layer; fc passes layer 1's feature through
+    np.testing.assert_array_equal(np.asarray(head.layers[0].q_proj.weight[...]), np.asarray(top.self_attn.q_proj.weight[...]))
+    np.testing.assert_array_equal(np.asarray(head.layers[0].mlp.down_proj.weight[...]), np.asarray(top.mlp.down_proj.weight[...]))
+    np.testing.assert_array_equal(np.asarray(head.fc.weight[...])[32:], np.eye(32))
+    anchors = block.anchors_for(cfg, hcfg, None, 2, 32, evenly=True)
+    online, _ = block.block_loss(head, target, toks, anchors, cfg)
+    cached = {k: jnp.asarray(v) for k, v in b.items() if k != "tokens" and v is not None}
+    offline, _ = block.block_loss(head, target, toks, anchors, cfg, cached=cached)
+    np.testing.assert_allclose(float(offline), float(online), rtol=2e-2)
+    cfg = dataclasses.replace(cfg, cache=str(out), steps=4, eval_every=4)
+    state = block.train(cfg, zoo["base"] / "blk-cache", zoo["base"] / "blk-cache-export", progress=False)
+    assert int(state["step"]) == 4
+    drafter = load_drafter(str(zoo["base"] / "blk-cache-export"), target, target_path=target_dir)
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
+    assert (specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=4").sequences()
+            == specjax.generate(target, prompts, max_new_tokens=12).sequences())
+
+
 # ----------------------------------------------------------------------------- hybrid target
 
 def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):

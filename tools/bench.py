@@ -584,8 +584,10 @@ def main(argv=None):
         partial.write_text(json.dumps([{k: v for k, v in r.items() if k != "sequences"} for r in rows]) + "\n")
         # Free this method's executables: XLA:CPU maps each one in thousands of pieces, and the
         # hybrid target's programs exhausted the kernel's map limit (65530) by the 8th method.
-        jax.clear_caches()
-        gc.collect()
+        # (--smoke keeps its few tiny programs: other smoke runs in the process reuse them.)
+        if not args.smoke:
+            jax.clear_caches()
+            gc.collect()
     if (args.hf or args.llama_cpp) and not args.smoke:
         hf_rows = []
         if args.hf:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import codeop
+import functools
 import gc
 import os
 import sys
@@ -41,6 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import specjax
 from specjax import tree as tree_lib
@@ -83,30 +85,42 @@ def agreement(ref: list[list[int]], seqs: list[list[int]]) -> tuple[float, float
     return same / max(total, 1), float(np.mean(prefix))
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _logprob_sum(graphdef, state, ids_1xL, n_prompt):
+    """Sum of the target's log-probabilities of the tokens after the first `n_prompt` of `ids_1xL`,
+    given everything before each (teacher forcing): one compiled program per sequence length."""
+    target = nnx.merge(graphdef, state)
+    fam = family(target)
+    L = ids_1xL.shape[1]
+    out = fam.prefill(target, ids_1xL, jnp.asarray([L]), fam.init_cache(target, 1, L))
+    lp = jax.nn.log_softmax(out.logits[0, :-1].astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(lp, ids_1xL[0, 1:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(jnp.arange(L - 1) >= n_prompt - 1, tok, 0.0))
+
+
 def mean_logprob(target, prompts, seqs) -> float:
     """The target's mean log-probability per generated token of `seqs` given `prompts` (teacher forcing)."""
-    fam = family(target)
+    graphdef, state = nnx.split(target)
     tot = n = 0.0
     for p, s in zip(prompts, seqs):
         if not s:
             continue
-        ids = jnp.asarray([p + s], jnp.int32)
-        out = fam.prefill(target, ids, jnp.asarray([ids.shape[1]]), fam.init_cache(target, 1, ids.shape[1]))
-        lp = jax.nn.log_softmax(out.logits[0, len(p) - 1: len(p) + len(s) - 1].astype(jnp.float32), axis=-1)
-        tot += float(jnp.sum(jnp.take_along_axis(lp, jnp.asarray(s)[:, None], axis=-1)))
+        tot += float(_logprob_sum(graphdef, state, jnp.asarray([p + s], jnp.int32), len(p)))
         n += len(s)
     return tot / max(n, 1)
 
 
-def run(target, groups, new_tokens, repeats, **kw) -> dict:
+def run(target, groups, new_tokens, repeats, free: bool = True, **kw) -> dict:
     """tokens/s (median of `repeats` after a warm-up per prompt bucket), stats, sequences
-    (`tools.harness.time_generation` + `generation_row`; group i runs with seed i)."""
+    (`tools.harness.time_generation` + `generation_row`; group i runs with seed i). `free`: drop the
+    compiled programs after (XLA:CPU's memory maps; --smoke keeps its few tiny ones)."""
     kw = dict(max_new_tokens=new_tokens, eos_token_id=(), **kw)
     results, times = time_generation(target, groups, repeats, seed=0, **kw)
     row = generation_row(results, times, speculative=bool(kw.get("drafters")))
     row["lossless"] = all(x.lossless for x in results)
-    jax.clear_caches()
-    gc.collect()
+    if free:
+        jax.clear_caches()
+        gc.collect()
     return row
 
 
@@ -209,7 +223,7 @@ def main(argv=None) -> int:
 
     rows = []
     log("[bench_adaptive] ar ...")
-    ar = run(target, groups, args.new_tokens, args.repeats)
+    ar = run(target, groups, args.new_tokens, args.repeats, not args.smoke)
     ar.update(method="ar", kind="ar")
     rows.append(ar)
     ref = ar["sequences"]
@@ -223,7 +237,8 @@ def main(argv=None) -> int:
             log(f"[bench_adaptive] profiling {name} {spec_text} at widths {widths} ...")
             probe = AdaptiveShape(d, (1.0,) * len(widths))
             prof = profile_rows(target, probe, [args.batch], spec, widths, min(args.context, 64) if args.smoke else args.context,
-                                2 if args.smoke else 5, 4 if args.smoke else 16, log=log, whole_round=True)
+                                2 if args.smoke else 5, 4 if args.smoke else 16, log=log, whole_round=True,
+                                free=not args.smoke)
             profiles[key] = prof[str(args.batch)]
         cal = read_calibration(dict(drafter_dirs)[name]) if not args.smoke else None
         calibrations[name] = None if cal is None else repo_relative(os.path.join(dict(drafter_dirs)[name], CALIBRATION_FILE))
@@ -233,25 +248,28 @@ def main(argv=None) -> int:
     for name, d in drafters.items():
         for t in fixed.get(name, []):
             log(f"[bench_adaptive] {name} {t} ...")
-            r = run(target, groups, args.new_tokens, args.repeats, drafters=[d], tree=t)
+            r = run(target, groups, args.new_tokens, args.repeats, not args.smoke, drafters=[d], tree=t)
             r.update(method=f"{name} {t}", kind="fixed", drafter=name, tree=t)
             rows.append(r)
         for t in adaptive.get(name, []):
             log(f"[bench_adaptive] {name} adaptive {t} ...")
-            r = run(target, groups, args.new_tokens, args.repeats, drafters=[adaptive_drafter(name, d, t)], tree=t)
+            r = run(target, groups, args.new_tokens, args.repeats, not args.smoke,
+                    drafters=[adaptive_drafter(name, d, t)], tree=t)
             r.update(method=f"{name} adaptive {t}", kind="adaptive", drafter=name, tree=t)
             rows.append(r)
     first = next(iter(drafters))
     mtree = args.margin_tree or (fixed.get(first) or ["chain=4"])[0]
     for delta in margins:
         log(f"[bench_adaptive] {first} {mtree} margin {delta:g} ...")
-        r = run(target, groups, args.new_tokens, args.repeats, drafters=[drafters[first]], tree=mtree, verify="margin",
+        r = run(target, groups, args.new_tokens, args.repeats, not args.smoke, drafters=[drafters[first]], tree=mtree,
+                verify="margin",
                 margin=delta)
         r.update(method=f"{first} {mtree} margin δ={delta:g}", kind="margin", drafter=first, tree=mtree, margin=delta)
         rows.append(r)
     if args.margin_adaptive is not None and adaptive.get(first):
         t = adaptive[first][0]
-        r = run(target, groups, args.new_tokens, args.repeats, drafters=[adaptive_drafter(first, drafters[first], t)],
+        r = run(target, groups, args.new_tokens, args.repeats, not args.smoke,
+                drafters=[adaptive_drafter(first, drafters[first], t)],
                 tree=t, verify="margin", margin=args.margin_adaptive)
         r.update(method=f"{first} adaptive {t} margin δ={args.margin_adaptive:g}", kind="margin+adaptive",
                  drafter=first, tree=t, margin=args.margin_adaptive)

@@ -134,7 +134,6 @@ def load(name: str, smoke: bool):
 
 
 def child(args) -> dict:
-    import jax
     from jax import monitoring
 
     if args.cache != "none":

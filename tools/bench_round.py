@@ -53,7 +53,13 @@ def forward_costs(target, prompt_len: int, blocks: list[int], repeats: int, loop
     graphdef, state = nnx.split(target)
     B, C = 1, prompt_len + max(blocks) + 1
     toks = jnp.asarray(np.random.default_rng(0).integers(3, target.config.vocab_size, (B, prompt_len)), jnp.int32)
-    cache = fam.prefill(target, toks, jnp.array([prompt_len]), fam.init_cache(target, B, C)).cache
+
+    @jax.jit
+    def prefill(state, toks):  # one program (not op by op): the cached prompt
+        model = nnx.merge(graphdef, state)
+        return fam.prefill(model, toks, jnp.full((B,), prompt_len, jnp.int32), fam.init_cache(model, B, C)).cache
+
+    cache = prefill(state, toks)
 
     @jax.jit
     def block(state, cache, tokens_BxT):
@@ -82,7 +88,7 @@ def load_models(args):
     if args.smoke:
         cfg, target, draft = smoke_models()
         rng = np.random.default_rng(0)
-        prompts = [(rng.integers(0, 64, 6).tolist() * 8)[:40]]
+        prompts = [(rng.integers(0, 64, 6).tolist() * 8)[:32]]  # one prompt bucket, as the other smoke runs
         # two drafters (a table-lookup one and a model one) keep the test's compiles few
         return target, {"ngram": NgramDrafter(), "lm": LMDrafter(draft)}, prompts, "tiny random models (--smoke)"
     tdir = Path(args.target)
@@ -116,7 +122,7 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     one real round of `prompt`. A stage timed alone as its own jitted call is not comparable: it
     pays a dispatch and copies its non-donated buffers, and on this CPU an autoregressive step
     timed alone costs far more than one in the loop."""
-    from specjax import engine, kvcache, tree as tree_lib, verify as verify_lib
+    from specjax import engine, tree as tree_lib, verify as verify_lib
     from specjax.drafters.base import Committed, DraftContext
     from specjax.sampling import SamplingParams
 
@@ -185,8 +191,20 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
             return st, acc + jnp.sum(prop.tree.tokens) + alive
         return body
 
-    m0, d0 = nnx.merge(graphdef, state)
-    prop = d0.propose(carry.dstate, carry.root, ctx(spec))
+    @jax.jit
+    def first_round(state, carry):
+        """The next round's pieces, one program (not op by op): the proposal, the target's forward over
+        its tree, the verdict and what the drafter commits; every stage loop starts from them."""
+        m, d = nnx.merge(graphdef, state)
+        prop = d.propose(carry.dstate, carry.root, ctx(spec))
+        tree = prop.tree
+        tout = fam.forward(m, tree.tokens, tree_lib.positions(tree, carry.cache.length), carry.cache,
+                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
+        vd = verify_lib.verify(tree, tout.logits, key, rule="greedy", max_depth=D, params=params)
+        return prop, tout, committed_of(carry, vd, tout, fam.commit(tout.cache, vd.path, vd.num_accepted + 1))
+
+    d0 = nnx.merge(graphdef, state)[1]
+    prop, tout, committed = first_round(state, carry)
     tree = prop.tree
     cache0 = carry.cache
 
@@ -197,15 +215,9 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
                           tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
         return fam.release(out.cache), acc + out.logits[0, 0, 0]
 
-    tout = fam.forward(m0, tree.tokens, tree_lib.positions(tree, cache0.length), cache0,
-                       tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
-    vd = verify_lib.verify(tree, tout.logits, key, rule="greedy", max_depth=D, params=params)
-
     def walk_body(state, acc, i):
         v = verify_lib.verify(tree, tout.logits + acc * 0, key, rule="greedy", max_depth=D, params=params)
         return acc + v.num_accepted.sum().astype(jnp.float32)
-
-    committed = committed_of(carry, vd, tout, fam.commit(tout.cache, vd.path, vd.num_accepted + 1))
 
     def dcommit_body(state, dstate, i):
         _, d = nnx.merge(graphdef, state)
@@ -268,7 +280,8 @@ def block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per,
         dcache, s = backbone(nnx.merge(graphdef, state)[1], dcache, i)
         return dcache, acc + s
 
-    blk0 = d0.block_pass(carry.dstate, carry.root)
+    blk0 = jax.jit(lambda state, dstate, root: nnx.merge(graphdef, state)[1].block_pass(dstate, root))(
+        state, carry.dstate, carry.root)  # one program, not op by op
 
     def head_body(state, x, i):
         _, d = nnx.merge(graphdef, state)
@@ -349,7 +362,7 @@ def main(argv=None) -> dict:
     if args.feature is None:  # a feature drafter reads its own target's features: never another target's
         args.feature = f"{args.target.rstrip('/')}-feature"
     if args.smoke:
-        args.new_tokens, args.repeats, args.context = 12, 1, 40
+        args.new_tokens, args.repeats, args.context = 12, 1, 32
     out = Path(args.out or REPO / ("bench/bench_round_smoke" if args.smoke else "bench/bench_round"))
     target, drafters, prompts, what = load_models(args)
     split = []

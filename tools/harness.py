@@ -76,6 +76,17 @@ def run_meta(tool: str, argv: Sequence[str] | None = None, **extra) -> dict:
     return meta
 
 
+def code_span(text: str) -> str:
+    """`text` as markdown inline code, whatever backticks it holds (a fence longer than any run inside)."""
+    run = longest = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * (longest + 1)
+    pad = " " if longest else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def meta_header(meta: dict) -> list[str]:
     """Markdown lines saying where and how a result was measured: CPU, date, command (and the jax
     versions and device where recorded). Reads every schema's meta; what is missing says so."""
@@ -83,14 +94,15 @@ def meta_header(meta: dict) -> list[str]:
     if meta.get("cores"):
         cpu += f" ({meta['cores']} cores)"
     where = [f"CPU: {cpu}"]
-    if meta.get("device") or meta.get("backend"):
-        where.append("device: " + " / ".join(str(meta[k]) for k in ("device", "backend") if meta.get(k)))
+    dev = [str(meta[k]) for k in ("device", "backend") if meta.get(k)]
+    if dev:
+        where.append("device: " + " / ".join(dict.fromkeys(dev)))
     if meta.get("jax"):
         where.append(f"jax {meta['jax']}" + (f", jaxlib {meta['jaxlib']}" if meta.get("jaxlib") else ""))
     where.append(f"date: {meta.get('date') or 'not recorded'}")
     lines = ["; ".join(where) + "."]
     if meta.get("command"):
-        lines += ["", f"Command: `{meta['command']}`"]
+        lines += ["", f"Command: {code_span(str(meta['command']))}"]
     return lines
 
 

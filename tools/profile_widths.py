@@ -22,7 +22,8 @@ call; the figure is the median over --repeats calls, divided by --loops. The res
 it (rest_s) and adds it to every width, the DSpark scheduler's and TAPS's profiles leave it out.
 
     python -m tools.profile_widths --target models/code-target --drafter models/code-target-dspark --batch 1,4
-    python -m tools.profile_widths --smoke    # tiny random target and block drafter (checks the tool)
+    python -m tools.profile_widths --smoke    # tiny random target and block drafter (checks the tool; with
+                                              # --adaptive the smoke lm drafter, as bench_adaptive --smoke)
     python -m tools.profile_widths --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
                                               # AdaptiveSpec's widths (specjax.adaptive) for any drafter
 
@@ -154,7 +155,13 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
     P = max(len(p) for p in prompts)
     toks = jnp.asarray(prompts, jnp.int32)
     lens = jnp.full((B,), P, jnp.int32)
-    cache = fam.prefill(target, toks, lens, fam.init_cache(target, B, P + N + 1)).cache
+
+    @jax.jit
+    def prefill(state, toks, lens):  # one program, not op by op
+        model = nnx.merge(graphdef, state)
+        return fam.prefill(model, toks, lens, fam.init_cache(model, B, P + N + 1)).cache
+
+    cache = prefill(state, toks, lens)
     rng = np.random.default_rng(1)
     draft = jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32)
     if tree_lib.is_chain(spec):
@@ -184,7 +191,7 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
 
 
 def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: int, loops: int = LOOPS,
-                 log=print, whole_round: bool = False) -> dict:
+                 log=print, whole_round: bool = False, free: bool = True) -> dict:
     """{str(B): {"widths", "round_s", "draft_s", "verify_s"[, "rest_s"]}} for each batch size.
     `whole_round`: also time whole rounds (`round_seconds`, the drafter as given) and add what is
     neither the draft nor the verification forward (the walk, commits, emission: `rest_s`, the same
@@ -206,7 +213,8 @@ def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: 
         log(f"[profile_widths] batch {B}: draft {1000 * draft:.2f} ms, verify "
             + ", ".join(f"w={w} {1000 * ver[w]:.2f}" for w in widths) + " ms"
             + (f", rest of the round {1000 * rest:.2f} ms" if whole_round else ""))
-        jax.clear_caches()
+        if free:  # drop this batch size's programs (XLA:CPU's memory maps); --smoke keeps its tiny ones
+            jax.clear_caches()
     return rows
 
 
@@ -236,7 +244,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--adaptive", action="store_true",
                     help="profile the adaptive shape's widths (specjax.widths.adaptive_widths) for any drafter "
                          "(lm, feature, block) and --tree (default: the drafter's default tree)")
-    ap.add_argument("--smoke", action="store_true", help="tiny random target and block drafter: checks the tool")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random target and block drafter (with --adaptive: the smoke lm drafter, the one "
+                         "bench_adaptive --smoke profiles): checks the tool")
     ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
     args = ap.parse_args(argv)
     try:
@@ -248,9 +258,12 @@ def main(argv=None) -> dict:
 
     from specjax.drafters.block import BlockDrafter
     if args.smoke:
-        cfg, target, _ = smoke_models()
-        head = smoke_block_head(cfg)
-        drafter = BlockDrafter(head, target, confidence="off" if args.adaptive else 0.5)
+        cfg, target, draft = smoke_models()
+        if args.adaptive:  # the noisy-copy lm drafter: the programs `bench_adaptive --smoke` profiles
+            from specjax.drafters import LMDrafter
+            drafter = LMDrafter(draft)
+        else:
+            drafter = BlockDrafter(smoke_block_head(cfg), target, confidence=0.5)
         args.context, args.repeats, args.loops = min(args.context, 64), min(args.repeats, 2), min(args.loops, 4)
         target_name, drafter_name, sha = "smoke", "smoke", None
     else:
@@ -295,7 +308,8 @@ def main(argv=None) -> dict:
         ap.error(f"--context {args.context}: does not fit the target's {target.config.max_position_embeddings} positions")
 
     rows = profile_rows(target, drafter, batches, spec, widths, args.context, args.repeats, args.loops,
-                        log=lambda s: print(s, file=sys.stderr, flush=True), whole_round=args.adaptive)
+                        log=lambda s: print(s, file=sys.stderr, flush=True), whole_round=args.adaptive,
+                        free=not args.smoke)
     meta = run_meta("profile_widths", argv)
     profile = {"cpu": meta["cpu"], "device": meta["device"], "backend": meta["backend"],
                "target": target_name, "target_sha256": sha, "drafter": drafter_name, "tree": tree,

@@ -52,7 +52,7 @@ from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
-from train import calibration as calib, data, drafter_run
+from train import calibration as calib, data, drafter_run, target_cache
 from train.lm import REPO, _resolve, load_streams_for
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,15 @@ class BlockTrainConfig:
     # appended to the corpus's train split `extra_repeat` times (a small stream made a real share). None: none.
     extra_train: str | None = None
     extra_repeat: int = 1
+    # An offline target cache (`train.target_cache`: the target's features and top-k distribution per
+    # position, built once): steps read it instead of running the target (drafter-only cost). None: online.
+    cache: str | None = None
+    # DeepSpec's normalisation of the distillation term: the position-weighted mean
+    # sum_k w_k L1_k / sum_k w_k (True), or today's weighted sum sum_k w_k L1_k (False).
+    l1_mean: bool = False
+    # Start the backbone from the target: backbone layer i <- target layer L - n + i (attention, norms, and
+    # the MLP where the widths match), fc passing the last read layer's feature through. Ablation: False.
+    init_from_target: bool = False
 
     def __post_init__(self):
         if self.extra_repeat < 1:
@@ -202,13 +211,29 @@ def _target_pass(target, tokens_BxT, hcfg: Bk.BlockConfig, anchors_BxA, every: i
     return sg(Bk.target_features(out)), sg(out.logits), None
 
 
-def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zero_state: bool = False, lags_BxA=None):
+def _cached_pass(cached: dict, hcfg: Bk.BlockConfig, anchors_BxA, every: int):
+    """`_target_pass` from an offline cache's batch (`train.target_cache`): the stored features, the
+    top-k as logits (-inf elsewhere), the states at the anchors."""
+    tlogits = target_cache.dense_logits(cached["topk_ids"], cached["topk_logp"], hcfg.vocab_size)
+    states = cached.get("states")
+    if hcfg.reads_state:
+        if states is None:
+            raise ValueError("this cache holds no recurrent states: build it with --state-layers for ReaDy")
+        states = jnp.take_along_axis(states.astype(jnp.float32), (anchors_BxA // every)[None, :, :, None, None, None], axis=2)
+    return cached["features"], tlogits, states
+
+
+def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zero_state: bool = False, lags_BxA=None,
+               cached: dict | None = None):
     """(loss, metrics): the DSpark objective on teacher-forced blocks (`zero_state`: ReaDy's
     ablation, the reader on zeroed states; `lags`: DPara's acceptance boundaries, default
-    `cyclic_lags`)."""
+    `cyclic_lags`; `cached`: the batch's offline target cache, in place of the target's pass)."""
     hc = head.config
     W = hc.block_size
-    feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
+    if cached is None:
+        feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
+    else:
+        feats, tlogits, states = _cached_pass(cached, hc, anchors_BxA, cfg.state_every)
     if zero_state:
         states = jnp.zeros_like(states)
     if hc.boundary and lags_BxA is None:
@@ -235,6 +260,8 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
     w = jnp.exp(-jnp.arange(W) / cfg.decay)
     l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
+    if cfg.l1_mean:  # DeepSpec: the position-weighted mean
+        l1_term = l1_term / jnp.sum(w)
     loss = cfg.ce_weight * ce + cfg.l1_weight * l1_term
     bce = jnp.float32(0)
     if conf is not None:
@@ -289,18 +316,19 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
     def frozen(path) -> bool:  # a TreeFlash run trains its head only
         return cfg.freeze_backbone and "ar_head" not in jax.tree_util.keystr(path)
 
-    def loss_of(params, tokens, anchors, zero_state=False, lags=None):
+    def loss_of(params, tokens, anchors, zero_state=False, lags=None, cached=None):
         params = jax.tree_util.tree_map_with_path(lambda p, x: jax.lax.stop_gradient(x) if frozen(p) else x, params)
         return block_loss(head_of(params), nnx.merge(tgt_def, tgt_params), tokens, anchors, cfg, zero_state,
-                          lags)
+                          lags, cached)
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, tokens):
+    def train_step(state, tokens, cached=None):
         B, T = tokens.shape
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
         anchors = anchors_for(cfg, hcfg, key, B, T)
         lags = sample_lags(jax.random.fold_in(key, 1), anchors, hcfg.block_size, cfg.lag_decay) if hcfg.boundary else None
-        (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors, False, lags)
+        (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens, anchors, False, lags,
+                                                                     cached)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
         new = optax.apply_updates(state["params"], updates)
         new = jax.tree_util.tree_map_with_path(lambda p, n, o: o if frozen(p) else n, new, state["params"])
@@ -320,12 +348,41 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
 
     def init():
         head = new_head(cfg.seed)
+        if cfg.init_from_target:
+            start_from_target(head, target)
         if cfg.init_from:
             start_from(head, _resolve(cfg.init_from))
         params = nnx.state(head, nnx.Param)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return target, hcfg, head_of, train_step, eval_step, init
+
+
+def start_from_target(head: Bk.BlockHead, target) -> None:
+    """The backbone from the target's top layers (issue 43's initialisation): backbone layer i takes
+    target layer L - n + i's attention projections, norms and (where the widths match) MLP; `fc`
+    passes the last read layer's hidden state through (identity on its slice, zero elsewhere), so
+    at step 0 the context is that feature, normalised. The q/k norms (the target has none: llama)
+    stay at one."""
+    cfg, tcfg = head.config, target.config
+    n = len(head.layers)
+    if (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) != (tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim):
+        raise ValueError("init_from_target needs the target's attention shapes in the backbone")
+    for i, layer in enumerate(head.layers):
+        src = target.layers[tcfg.num_layers - n + i]
+        attn = getattr(src, "self_attn", None)
+        if attn is None:
+            raise ValueError(f"target layer {tcfg.num_layers - n + i} is not an attention layer: init_from_target "
+                             "reads a dense target's top layers")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer, name).weight.set_value(jnp.array(getattr(attn, name).weight.get_value(), layer.q_proj.weight.dtype))
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, name).weight.set_value(jnp.array(getattr(src, name).weight.get_value()))  # a copy: the state is donated
+        if cfg.intermediate_size == tcfg.intermediate_size:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.set_value(jnp.array(getattr(src.mlp, name).weight.get_value()))
+    E, L = cfg.hidden_size, len(cfg.target_layers)
+    head.fc.weight.set_value(jnp.zeros((L * E, E), head.fc.weight.dtype).at[(L - 1) * E:].set(jnp.eye(E)))
 
 
 def check_init_from(path: Path, target_sha256: str) -> str:
@@ -420,12 +477,17 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
+    if cfg.cache:  # the cache's stream is part of the run
+        identity["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
     tok = load_tokenizer(str(target_dir))
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
     stream = drafter_run.train_stream(cfg, run_dir, streams)  # the corpus, then extra_train
     ranking, ids = drafter_run.draft_ranking(cfg, stream, target_dir)
     target, hcfg, head_of, train_step, eval_step, init = _fns(cfg, str(target_dir), ids)
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
+    cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), hcfg.target_layers) if cfg.cache else None
+    if cache is not None and cache.manifest["seq_len"] != cfg.seq_len:
+        raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
 
     state = sharding.place_params(init(), RULES, mesh)
     mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
@@ -434,9 +496,17 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     t_run, t_last, n_tok, train_s = time.perf_counter(), time.perf_counter(), 0, 0.0
     record = None
     for step in range(start, stop):
-        batch = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        cached = None
+        if cache is None:
+            batch = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        else:
+            got = cache.batch_at(step, cfg.batch_size, cfg.seed)
+            batch = got.pop("tokens")
+            cached = {k: jnp.asarray(v) if mesh is None or k == "states" else sharding.place(v, sharding.BATCH, mesh)
+                      for k, v in got.items() if v is not None}
         t0 = time.perf_counter()
-        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
+        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
+                              cached)
         loss = float(m["loss"])
         train_s += time.perf_counter() - t0
         if not math.isfinite(loss):
