@@ -242,14 +242,48 @@ def spread_target(vocab: int = 8, seed: int = 4):
 
 
 def prefilled_state(drafter, target, prompt, capacity: int = 16):
-    """The drafter's state after a prefill of one prompt (batch 1)."""
+    """The drafter's state after a prefill of one prompt (batch 1). One jitted program (run eagerly,
+    the prefill and the drafter's init compile each of their many small ops, for every prompt length)."""
     import jax.numpy as jnp
+    return _jitted_prefilled_state(capacity)(drafter, target, jnp.asarray([prompt]), jnp.asarray([len(prompt)]))
+
+
+@functools.cache
+def _jitted_prefilled_state(capacity: int):
+    import jax
 
     from specjax.models import family
-    fam = family(target)
-    toks, n = jnp.asarray([prompt]), jnp.asarray([len(prompt)])
-    pre = fam.prefill(target, toks, n, fam.init_cache(target, 1, capacity), hidden_layers=tuple(drafter.target_layers))
-    return drafter.init(toks, n, capacity, pre)
+
+    def run(drafter, target, toks, n):
+        fam = family(target)
+        pre = fam.prefill(target, toks, n, fam.init_cache(target, 1, capacity), hidden_layers=tuple(drafter.target_layers))
+        return drafter.init(toks, n, capacity, pre)
+    return jax.jit(run)
+
+
+def next_logits(target, seqs, capacity: int = 16) -> np.ndarray:
+    """The target's logits [len(seqs), V] (float64) for the token after each sequence of `seqs` (token
+    lists, up to `capacity` long): one jitted prefill of them all, right-padded to `capacity` (one
+    compile per target, batch size and capacity, whatever the lengths)."""
+    import jax.numpy as jnp
+    n = np.asarray([len(s) for s in seqs], np.int32)
+    toks = np.zeros((len(seqs), capacity), np.int32)
+    for i, s in enumerate(seqs):
+        toks[i, :len(s)] = s
+    logits = _jitted_prefill_logits(capacity)(target, jnp.asarray(toks), jnp.asarray(n))
+    return np.asarray(logits, np.float64)[np.arange(len(seqs)), n - 1]
+
+
+@functools.cache
+def _jitted_prefill_logits(capacity: int):
+    import jax
+
+    from specjax.models import family
+
+    def run(target, toks, n):
+        fam = family(target)
+        return fam.prefill(target, toks, n, fam.init_cache(target, toks.shape[0], capacity)).logits
+    return jax.jit(run)
 
 
 def full_features(target, toks_BxT, layers):

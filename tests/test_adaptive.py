@@ -25,13 +25,12 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import (assert_first_two_follow, chi_square, noisy_copy, noisy_lm_drafter, prefilled_state, spread_target,
-                     tiny_target)
+from helpers import (assert_first_two_follow, chi_square, next_logits, noisy_copy, noisy_lm_drafter, prefilled_state,
+                     spread_target, tiny_target)
 from specjax import adaptive as A, engine, tree as T, verify as V, widths as W
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.drafters.base import Committed, DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
-from specjax.models import family
 from specjax.sampling import SamplingParams
 
 VOCAB = 64
@@ -140,7 +139,6 @@ def test_deterministic_rule_on_an_adaptive_tree_is_lossless():
     target = spread_target(SV)
     d = LMDrafter(noisy_copy(target, 0.5, 2))
     prompt, root = [1, 5, 2], 3
-    fam = family(target)
     spec = T.parse_tree_spec("[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]")
     widths = W.adaptive_widths(spec.num_nodes)
     a = A.AdaptiveShape(d, costs(widths, slope=0.05))
@@ -152,9 +150,8 @@ def test_deterministic_rule_on_an_adaptive_tree_is_lossless():
     assert int((np.asarray(tree1.parents[0])[kept] == 0).sum()) >= 2  # siblings at the root: the residual matters
     tree = jax.tree.map(lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:]), tree1)
 
-    def target_logits(seq):
-        out = fam.prefill(target, jnp.asarray([seq]), jnp.asarray([len(seq)]), fam.init_cache(target, 1, 16))
-        return np.asarray(out.logits[0, len(seq) - 1], np.float64)
+    def target_logits(seq):  # one jitted prefill (eager, each length compiles every op again)
+        return next_logits(target, [seq])[0]
 
     p0 = target_logits(prompt + [root])
     p1 = np.stack([target_logits(prompt + [root, x]) for x in range(SV)])

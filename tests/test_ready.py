@@ -76,8 +76,9 @@ def test_prefix_states_are_the_committed_states(target):
     fam = family(target)
     prefill = jax.jit(lambda m, a: fam.prefill(m, toks, jnp.stack([a, a]), fam.init_cache(m, 2, 64)).cache.state)
     for a in (4, 12, 40):
+        # float32 noise of the two paths: up to 1.13e-6 as the tests compile (XLA's classic CPU emitters)
         np.testing.assert_allclose(np.asarray(st[:, :, a // EVERY]), np.asarray(prefill(target, jnp.int32(a))),
-                                   atol=1e-6)
+                                   atol=2e-6)
     ref = _forward(target, toks, (0, 2))
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=1e-4)
     for a, b in zip(out.hidden, ref.hidden):
@@ -235,12 +236,12 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_state_read_is_caught():
         cache = dataclasses.replace(st.cache, k=ax1(st.cache.k), v=ax1(st.cache.v), length=ax0(st.cache.length))
         return dataclasses.replace(st, cache=cache, drafted=ax0(st.drafted), target_state=ax1(st.target_state))
 
-    init = jax.jit(lambda dr, p: rows(dr.init(jnp.asarray([prompt]), jnp.asarray([5]), 16, p)), static_argnums=0)
+    init = jax.jit(lambda dr, p: rows(dr.init(jnp.asarray([prompt]), jnp.asarray([5]), 16, p)))
     state = init(d, pre)
     spec, params = parse_tree_spec("chain=2"), SamplingParams.make(1.0)
     roots = jnp.full((ROWS,), root, jnp.int32)
-    propose = jax.jit(lambda dr, s, r, k: dr.propose(s, r, DraftContext(spec, "sample", params, k)),
-                      static_argnums=0)  # arrays as arguments: a 100k-row constant is folded for seconds
+    # the drafter and the arrays as arguments (not static, not closed over): a constant is folded for seconds
+    propose = jax.jit(lambda dr, s, r, k: dr.propose(s, r, DraftContext(spec, "sample", params, k)))
     prop = propose(d, state, roots, jax.random.key(1))
     toks = np.asarray(prop.tree.tokens)
 

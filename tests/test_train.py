@@ -441,7 +441,7 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     np.testing.assert_allclose(np.asarray(b["features"], np.float32), np.concatenate(ref.hidden, -1), rtol=2e-2, atol=2e-2)
     np.testing.assert_array_equal(b["topk_ids"][..., 0], np.argmax(np.asarray(ref.logits), -1))
     # the cached loss is the online loss (k = V: the whole distribution; features in bf16)
-    cfg = _block_cfg(zoo, full_run, name="tiny-dspark-cache", target_layers=(0, 1), l1_mean=True,
+    cfg = _block_cfg(zoo, full_run, name="tiny-dspark-cache", target_layers=(0, 1), deepspec_loss=True,
                      init_from_target=True, intermediate_size=64, seq_len=32)
     _, hcfg, head_of, _, _, init = block._fns(cfg, target_dir)
     head = head_of(init()["params"])

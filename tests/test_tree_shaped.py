@@ -23,7 +23,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import assert_first_two_follow, chi_square, prefilled_state, spread_target, trained_dspark
+from helpers import (assert_first_two_follow, chi_square, next_logits, prefilled_state, spread_target,
+                     trained_dspark)
 from specjax import engine, tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
@@ -222,7 +223,6 @@ def test_deterministic_rule_on_a_best_first_tree_is_lossless():
     head.ar_head.down.weight.set_value(jax.random.normal(jax.random.key(3), head.ar_head.down.weight.shape))
     d = BlockDrafter(head, target)
     prompt, root = [1, 5, 2], 3
-    fam = family(target)
     st = prefilled_state(d, target, prompt)
     spec = d.resolve_tree(T.parse_tree_spec("treeflash,nodes=7,m=2,k=3,rows=head"))
     prop = d.propose(st, jnp.asarray([root]), DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0)))
@@ -230,9 +230,8 @@ def test_deterministic_rule_on_a_best_first_tree_is_lossless():
     assert int((np.asarray(tree1.parents[0]) == 0).sum()) >= 2  # siblings at the root: the residual matters
     tree = jax.tree.map(lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:]), tree1)
 
-    def target_logits(seq):
-        out = fam.prefill(target, jnp.asarray([seq]), jnp.asarray([len(seq)]), fam.init_cache(target, 1, 16))
-        return np.asarray(out.logits[0, len(seq) - 1], np.float64)
+    def target_logits(seq):  # one jitted prefill (eager, each length compiles every op again)
+        return next_logits(target, [seq])[0]
 
     p0 = target_logits(prompt + [root])
     p1 = np.stack([target_logits(prompt + [root, x]) for x in range(SV)])

@@ -108,9 +108,10 @@ class BlockTrainConfig:
     # An offline target cache (`train.target_cache`: the target's features and top-k distribution per
     # position, built once): steps read it instead of running the target (drafter-only cost). None: online.
     cache: str | None = None
-    # DeepSpec's normalisation of the distillation term: the position-weighted mean
-    # sum_k w_k L1_k / sum_k w_k (True), or today's weighted sum sum_k w_k L1_k (False).
-    l1_mean: bool = False
+    # The loss as DeepSpec writes it (deepspec/modeling/dspark/loss.py): CE, L1 and the confidence BCE each a
+    # position-weighted mean sum_k w_k x_k / sum_k w_k (True); False: the first recipe, CE and BCE plain means
+    # and the L1 a weighted sum sum_k w_k L1_k (its weights add up to ~4.4 at W = 8: a larger step on the L1).
+    deepspec_loss: bool = False
     # Start the backbone from the target: backbone layer i <- target layer L - n + i (attention, norms, and
     # the MLP where the widths match), fc passing the last read layer's feature through. Ablation: False.
     init_from_target: bool = False
@@ -256,17 +257,21 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     p_t = jax.nn.softmax(t_logits, -1).reshape(B, A, W, -1)
     logp = jax.nn.log_softmax(logits, -1)
     label_logp = jnp.take_along_axis(logp, jnp.minimum(labels, logp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-    ce = -jnp.sum(jnp.where(inside, label_logp, 0.0)) / jnp.maximum(jnp.sum(inside), 1)
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
     w = jnp.exp(-jnp.arange(W) / cfg.decay)
-    l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
-    if cfg.l1_mean:  # DeepSpec: the position-weighted mean
-        l1_term = l1_term / jnp.sum(w)
+    if cfg.deepspec_loss:  # position-weighted means, as DeepSpec
+        wi = w * inside
+        ce = -jnp.sum(jnp.where(inside, label_logp, 0.0) * w) / jnp.maximum(jnp.sum(wi), 1e-6)
+        l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1))) / jnp.sum(w)
+    else:
+        ce = -jnp.sum(jnp.where(inside, label_logp, 0.0)) / jnp.maximum(jnp.sum(inside), 1)
+        l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
     loss = cfg.ce_weight * ce + cfg.l1_weight * l1_term
     bce = jnp.float32(0)
     if conf is not None:
         alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
-        bce = jnp.mean(optax.sigmoid_binary_cross_entropy(conf, alpha))
+        per = optax.sigmoid_binary_cross_entropy(conf, alpha)  # [B, A, W]
+        bce = jnp.sum(w * jnp.mean(per, axis=(0, 1))) / jnp.sum(w) if cfg.deepspec_loss else jnp.mean(per)
         loss = loss + bce
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p_t, -1), axis=(0, 1))
     metrics = {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}

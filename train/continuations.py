@@ -40,7 +40,10 @@ def chat_prompt_texts(target_dir: str, tok, n: int) -> list[str]:
             for i, f in enumerate(funcs)]
 
 
-def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int, batch: int) -> dict:
+def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int, batch: int, samples: int = 0,
+          temperature: float = 1.0) -> dict:
+    """The greedy continuation of every prompt, and `samples` more drawn at `temperature` (our own
+    batched `generate`, seeds 1..samples); identical documents kept once."""
     import specjax
     from specjax.checkpoint import load_tokenizer
     from train import prompts
@@ -52,22 +55,32 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     for kind in ("functions", "docstrings"):
         code += [p["ids"] for p in prompts.prompt_set(kind, tok, (n_code + 1) // 2, split="train", context_tokens=192)]
     code = code[:n_code]
-    chat = [[EOT_ID] + tok.encode(t).ids for t in chat_prompt_texts(target_dir, tok, n_chat)]
-    docs, generated = [], {"code": 0, "chat": 0}
+    chat = [[EOT_ID] + tok.encode(t).ids for t in chat_prompt_texts(target_dir, tok, n_chat)] if n_chat else []
+    docs, generated, seen, dropped = [], {"code": 0, "chat": 0}, set(), 0
     t0 = time.perf_counter()
     jobs = [("code", p) for p in code] + [("chat", p) for p in chat]
     for i in tqdm(range(0, len(jobs), batch), desc="continuations", unit="batch"):
         part = jobs[i:i + batch]
-        result = specjax.generate(model, [p for _, p in part], max_new_tokens=new_tokens, capacity=1024)
-        for (kind, p), s in zip(part, result.sequences()):
-            docs.append(np.asarray(([EOT_ID] if p[0] != EOT_ID else []) + list(p) + list(s), np.int32))
-            generated[kind] += len(s)
+        runs = [specjax.generate(model, [p for _, p in part], max_new_tokens=new_tokens, capacity=1024)]
+        runs += [specjax.generate(model, [p for _, p in part], max_new_tokens=new_tokens, capacity=1024,
+                                  temperature=temperature, seed=k) for k in range(1, samples + 1)]
+        for result in runs:
+            for (kind, p), s in zip(part, result.sequences()):
+                doc = ([EOT_ID] if p[0] != EOT_ID else []) + list(p) + list(s)
+                if tuple(doc) in seen:
+                    dropped += 1
+                    continue
+                seen.add(tuple(doc))
+                docs.append(np.asarray(doc, np.int32))
+                generated[kind] += len(s)
     stream = np.concatenate(docs)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, stream)
     summary = {"target": target_dir, "code_prompts": len(code), "chat_prompts": len(chat),
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
+               "samples_per_prompt": samples, "temperature": temperature if samples else None,
+               "duplicates_dropped": dropped,
                "seconds": round(time.perf_counter() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -81,8 +94,11 @@ def main(argv=None):
     ap.add_argument("--chat", type=int, default=96, help="chat prompts (train-split functions under an instruction)")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=0, help="T=--temperature samples per prompt besides the greedy one")
+    ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args(argv)
-    print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch), indent=2))
+    print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch, args.samples,
+                           args.temperature), indent=2))
 
 
 if __name__ == "__main__":
