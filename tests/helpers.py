@@ -274,6 +274,15 @@ def next_logits(target, seqs, capacity: int = 16) -> np.ndarray:
     return np.asarray(logits, np.float64)[np.arange(len(seqs)), n - 1]
 
 
+def prefix_logits_fn(model, prompts):
+    """`compare_greedy`'s reference: fn(row, generated_prefix) -> the model's logits [V] for the token
+    after prompts[row] + generated_prefix (`next_logits`, padded to a multiple of 32: few compiles)."""
+    def fn(row, prefix):
+        ids = [int(t) for t in prompts[row]] + [int(t) for t in prefix]
+        return next_logits(model, [ids], 32 * -(-(len(ids) + 1) // 32))[0]
+    return fn
+
+
 @functools.cache
 def _jitted_prefill_logits(capacity: int):
     import jax

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import compare_greedy, noisy_lm_drafter, tiny_target
+from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target
 from pallas_kernels import reference as ref
 from specjax import engine, fold, kvcache, tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter, load_drafter
@@ -226,12 +226,7 @@ def dataclasses_replace_k(cache, k, v):
 
 # ----------------------------------------------------------------------------- lossless with far keys
 
-def _logits_fn(model, prompts):
-    def fn(row, prefix):
-        ids = jnp.asarray([prompts[row] + list(prefix)], jnp.int32)
-        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), transformer.init_cache(model, 1, ids.shape[1] + 1))
-        return np.asarray(out.logits[0, -1])
-    return fn
+_logits_fn = prefix_logits_fn  # compare_greedy's reference logits (helpers)
 
 
 @pytest.mark.parametrize("kind,tree", [("lm", "depth=3,topk=2,nodes=6"), ("feature", "chain=3")])

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, tiny_target
+from helpers import compare_greedy, prefix_logits_fn, tiny_target
 from specjax import tree as T
 from specjax.drafters import DraftContext, NgramDrafter
 from specjax.drafters.ngram import History
-from specjax.models import transformer
 from specjax.sampling import SamplingParams
 
 VOCAB = 32
@@ -97,11 +96,7 @@ PROMPTS = [[3, 9, 4] * 4, [7, 1, 2, 8, 5] * 3 + [7], [11, 12] * 5]
 
 
 def _logits_fn(model):
-    def fn(row, prefix):
-        ids = jnp.asarray([PROMPTS[row] + list(prefix)], jnp.int32)
-        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), transformer.init_cache(model, 1, ids.shape[1]))
-        return np.asarray(out.logits[0, -1])
-    return fn
+    return prefix_logits_fn(model, PROMPTS)  # compare_greedy's reference logits (helpers)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, noisy_lm_drafter, tiny_drafter_model, tiny_target
+from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model, tiny_target
 from specjax import engine
 from specjax.drafters import LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -43,13 +43,7 @@ def _prompts(batch, seed=0, repetitive=False):
     return out
 
 
-def _logits_fn(model, prompts):
-    def fn(row, prefix):
-        ids = jnp.asarray([prompts[row] + list(prefix)], jnp.int32)
-        cache = transformer.init_cache(model, 1, ids.shape[1] + 1)
-        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), cache)
-        return np.asarray(out.logits[0, -1])
-    return fn
+_logits_fn = prefix_logits_fn  # compare_greedy's reference logits (helpers; test_verify_width's too)
 
 
 def _check_exact(target, drafter, tree, batch, repetitive=False, new=32):

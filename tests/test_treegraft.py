@@ -25,7 +25,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
-from helpers import chi_square, compare_greedy, noisy_lm_drafter, tiny_drafter_model, tiny_target
+from helpers import chi_square, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model, tiny_target
 from specjax import engine, scheduler as sched_lib, tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -94,12 +94,7 @@ def _prompts(batch, seed, repetitive):
     return out
 
 
-def _logits_fn(model, prompts):
-    def fn(row, prefix):
-        ids = jnp.asarray([prompts[row] + list(prefix)], jnp.int32)
-        out = transformer.prefill(model, ids, jnp.array([ids.shape[1]]), transformer.init_cache(model, 1, ids.shape[1]))
-        return np.asarray(out.logits[0, -1])
-    return fn
+_logits_fn = prefix_logits_fn  # compare_greedy's reference logits (helpers)
 
 
 # ----------------------------------------------------------------------------- greedy exactness

@@ -483,7 +483,7 @@ def main(argv=None):
                     help="a verify-width profile of a TAPS tree (python -m tools.profile_widths --tree ...select=taps): "
                          "the TAPS rows choose their verify budget per round")
     ap.add_argument("--plot-budgets", action="store_true", help="also plot tau and tokens/s against the node budget")
-    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "chat"],
+    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "humaneval", "chat"],
                     help="code prompts cut from the test split, or 'chat': --chat-prompts rendered with the target's "
                          "chat template")
     ap.add_argument("--chat-prompts", default=str(REPO / "bench/prompts/chat.jsonl"),

