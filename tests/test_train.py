@@ -463,6 +463,30 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
             == specjax.generate(target, prompts, max_new_tokens=12).sequences())
 
 
+def test_gpu_training_path_runs_from_corpus_tokens(zoo, full_run, tmp_path):
+    """tools.gpu_train at a tiny size on CPU: the corpus as tokens (what a slim tree carries, read
+    through the config's `manifest`), the cache built, a block drafter trained on it and exported."""
+    from specjax.checkpoint import load_tokenizer
+    from specjax.drafters import load_drafter
+    from tools import gpu_train
+
+    target_dir = str(full_run["export"])
+    tok = load_tokenizer(target_dir)
+    tokens = tmp_path / "corpus-tokens.npz"
+    lm.save_corpus_tokens(tok, lm.load_streams_for(tok, str(zoo["manifest"]), str(zoo["root"]), None, None), tokens)
+    cfg = _block_cfg(zoo, full_run, name="tiny-gpu-dspark", target_layers=(0, 1), deepspec_loss=True)
+    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    rec = gpu_train.run(target_dir, str(tokens), [str(tmp_path / "cfg.json")], str(tmp_path / "out"), windows=8, steps=2,
+                        batch_size=2, progress=False)
+    assert rec["cache"]["positions"] == 8 * 32 and rec["drafters"][0]["positions"] == 2 * 2 * 32
+    info = json.loads((tmp_path / "out" / "tiny-gpu-dspark" / "train_info.json").read_text())
+    assert info["run"]["config"]["cache"] == str(tmp_path / "out" / "cache")
+    load_drafter(str(tmp_path / "out" / "tiny-gpu-dspark"), load_model(target_dir), target_path=target_dir)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        lm.load_streams_for(Tokenizer.from_str(tok.to_str().replace('"<|endoftext|>"', '"<|eot|>"')), str(tokens),
+                            None, None, None)
+
+
 # ----------------------------------------------------------------------------- hybrid target
 
 def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):

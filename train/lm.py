@@ -447,9 +447,29 @@ def load_streams(cfg: TrainConfig, tok: Tokenizer, cache_dir: Path | None) -> St
     return load_streams_for(tok, cfg.corpus.manifest, cfg.corpus.root, cfg.corpus.max_files, cache_dir)
 
 
+def tokenizer_sha256(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def save_corpus_tokens(tok: Tokenizer, streams: Streams, path, max_train: int | None = None) -> None:
+    """The corpus's streams in this tokenizer as one .npz (uint16 where the vocabulary fits), for a
+    machine whose Python carries another stdlib (the corpus is pinned to this one's): a trainer
+    whose `manifest` names the .npz reads the streams from it (`load_streams_for`)."""
+    dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.int32
+    np.savez_compressed(path, train=streams.train[:max_train].astype(dtype), validation=streams.validation.astype(dtype),
+                        tokenizer_sha256=np.asarray(tokenizer_sha256(tok)))
+
+
 def load_streams_for(tok: Tokenizer, manifest: str, root: str | None, max_files: int | None,
                      cache_dir: Path | None) -> Streams:
-    """Train and validation token streams of the corpus, checked against its manifest."""
+    """Train and validation token streams of the corpus, checked against its manifest; or, when
+    `manifest` names a .npz (`save_corpus_tokens`), the streams stored there, checked against the
+    tokenizer they were made with."""
+    if str(manifest).endswith(".npz"):
+        z = np.load(_resolve(manifest))
+        if str(z["tokenizer_sha256"]) != tokenizer_sha256(tok):
+            raise ValueError(f"{manifest}: tokenized with another tokenizer than the target's")
+        return Streams(train=z["train"].astype(np.int32), validation=z["validation"].astype(np.int32))
     root = _resolve(root)
     checked = corpus.check(corpus.read_manifest(_resolve(manifest)), root)
     get = lambda split: data.token_stream(tok, split, checked, root, max_files, cache_dir)
