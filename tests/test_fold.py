@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -318,8 +317,7 @@ def test_cli_fold_flag(tmp_path, capsys, monkeypatch):
 def test_bench_long_smoke(tmp_path):
     """The tool end to end on tiny random models (one variant, one length run and one skipped, to
     keep the test short; `--smoke` alone runs every variant and both drafters)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import bench_long
+    from tools import bench_long
     out = tmp_path / "long"
     assert bench_long.main(["--smoke", "--drafters", "lm", "--lengths", "160,512", "--variants", "fold (both)",
                             "--tree-lm", "chain=2", "--out", str(out)]) == 0

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -528,9 +527,7 @@ def test_cli_treegraft(capsys, model_dir, distilled):
 
 @pytest.mark.slow
 def test_bench_smoke(tmp_path):
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    import bench_treegraft
+    from tools import bench_treegraft
     out = tmp_path / "tg"
     assert bench_treegraft.main(["--smoke", "--pairs", "ngram+lm", "--out", str(out)]) == 0
     js = json.loads(out.with_suffix(".json").read_text())

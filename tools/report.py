@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import fnmatch
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -231,7 +232,7 @@ def section(res: Result, bench_dir: Path) -> list[str]:
     cols = COLUMNS.get(res.kind) or generic_columns(res.rows)
     md = res.name[: -len(".json")] + ".md"
     link = f" Full table: [bench/{md}](../bench/{md})." if (bench_dir / md).is_file() else ""
-    lines = [f"### {res.name}: {title(res)}", "", *meta_header(res.meta), ""]
+    lines = [f"### {res.name}: {title(res)}", "", *meta_header({**res.meta, "date": res.meta.get("date") or committed_on(res.name)}), ""]
     if res.rows and cols:
         lines += markdown_table(cols, [r for r in res.rows if isinstance(r, dict)])
     else:
@@ -279,10 +280,20 @@ def _matches(name: str, globs) -> bool:
     return any(fnmatch.fnmatch(name, g) for g in globs)
 
 
+def committed_on(name: str) -> str:
+    """A results file's date when it records none: the day of the commit that last wrote it."""
+    try:
+        day = subprocess.run(["git", "log", "-1", "--format=%cs", "--", f"bench/{name}"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        day = ""
+    return f"{day} (commit)" if day else "not recorded"
+
+
 def _entry(target, method, config, res: Result, tau, speedup, note=None) -> dict:
     m = res.meta
     return {"target": target, "method": method, "config": config, "tau": tau, "speedup": speedup, "note": note,
-            "source": f"bench/{res.name}", "cpu": m.get("cpu") or "not recorded", "date": m.get("date") or "not recorded",
+            "source": f"bench/{res.name}", "cpu": m.get("cpu") or "not recorded", "date": m.get("date") or committed_on(res.name),
             "command": m.get("command") or "not recorded"}
 
 

@@ -18,7 +18,6 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from specjax.checkpoint import load_tokenizer
 from train.lm import REPO, load_streams_for, save_corpus_tokens
