@@ -24,6 +24,12 @@ after the tokens before a, as when a is a round's root. `init_from` starts from 
 drafter's parameters (a DSpark run; the reader fresh; its digest pinned in the run). The export's
 `train_info.json` also has `final_zero_state`: the shipped weights with the reader on zeroed states.
 
+Issue 43's recipe: `cache` names an offline target cache (`train.target_cache`: the target's features
+and top-k next-token distribution per position, built once), so a step runs the drafter only (the
+distillation target is the top-k renormalised); `deepspec_loss` takes CE, L1 and BCE as DeepSpec's
+position-weighted means; `init_from_target` starts the backbone from the target's top layers with
+`fc` passing the last read feature through.
+
 Same machinery as `train.feature`: optax AdamW with warm-up + cosine, gradient clipping, an orbax
 CheckpointManager (resumable, same data order), tqdm, metrics.jsonl, bf16 export of the drafter's
 own parameters (`drafter_config.json` + `model.safetensors` + `train_info.json`).
