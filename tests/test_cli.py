@@ -339,7 +339,7 @@ def test_block_drafter_confidence(capsys, tmp_path, monkeypatch, model_dir, load
     assert cut["tokens"] == ref
     assert 1.0 <= cut["mean_verify_width"] <= 5.0 and cut["drafted"] <= 4 * cut["rounds"]
 
-    expect_usage_error(capsys, base + ["--confidence", "schedule"], "tools/profile_widths.py")
+    expect_usage_error(capsys, base + ["--confidence", "schedule"], "python -m tools.profile_widths")
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"tree": "chain=4", "rows": {
         "1": {"widths": [1, 2, 3, 5], "round_s": [1.0, 1.05, 1.1, 1.2]},
