@@ -305,7 +305,7 @@ def test_own_directory_round_trip_and_refusals(tmp_path):
     for n in (0, VOCAB + 1):
         with pytest.raises(ValueError, match="draft vocabulary"):
             load_drafter(str(own), target, draft_vocab=n)
-    with pytest.raises(ValueError, match="built for the MTP drafter"):
+    with pytest.raises(ValueError, match="built for the MTP and feature drafters"):
         load_drafter("ngram", target, draft_vocab=8)
     vocab.save_ranking(str(own), np.zeros(VOCAB))
     with pytest.raises(ValueError, match="not a ranking"):
