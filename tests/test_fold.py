@@ -308,7 +308,7 @@ def test_cli_fold_flag(tmp_path, capsys, monkeypatch):
         assert needle in err and "Traceback" not in err
 
     usage_error(base + ["--fold", "default"], "needs a --drafter")
-    usage_error(base + ["--drafter", "ngram", "--fold", "default"], "n-gram drafter has none")
+    usage_error(base + ["--drafter", "ngram", "--fold", "default"], "'ngram' drafter takes no FOLD")
     usage_error(base + ["--drafter", path, "--fold", "lambda=-2"], "must be >= 0")
 
 
