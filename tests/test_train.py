@@ -454,6 +454,16 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     cached = {k: jnp.asarray(v) for k, v in b.items() if k != "tokens" and v is not None}
     offline, _ = block.block_loss(head, target, toks, anchors, cfg, cached=cached)
     np.testing.assert_allclose(float(offline), float(online), rtol=2e-2)
+    # the feature (EAGLE-3) trainer reads the same cache: the same loss at step 0, then a cached run
+    from train import feature
+    fcfg = _feature_cfg(zoo, full_run, name="tiny-feature-cache", target_layers=(0, 1), steps=2, eval_every=2)
+    _, _, head_def, _, _, finit = feature._fns(fcfg, target_dir)
+    fhead = nnx.merge(head_def, finit()["params"])
+    f_online = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps)[0]
+    f_offline = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps, cached=cached)[0]
+    np.testing.assert_allclose(float(f_offline), float(f_online), rtol=2e-2)
+    fstate = feature.train(dataclasses.replace(fcfg, cache=str(out)), zoo["base"] / "feat-cache", progress=False)
+    assert int(fstate["step"]) == 2
     cfg = dataclasses.replace(cfg, cache=str(out), steps=4, eval_every=4)
     state = block.train(cfg, zoo["base"] / "blk-cache", zoo["base"] / "blk-cache-export", progress=False)
     assert int(state["step"]) == 4

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
-from train import data
+from train import data, target_cache
 from train.lm import RunRefused, _resolve, load_streams_for
 
 RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between sessions of one run
@@ -167,8 +167,9 @@ def unrolled_steps(cfg, loss_of, init_params, rules):
     schedule, tx = optimizer(cfg)
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, tokens):
-        (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], tokens)
+    def train_step(state, tokens, cached=None):
+        args = (state["params"], tokens) if cached is None else (state["params"], tokens, cached)
+        (loss, (per_step, agree)), grads = jax.value_and_grad(loss_of, has_aux=True)(*args)
         updates, opt = tx.update(grads, state["opt_state"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt, "step": state["step"] + 1}
         return (sharding.constrain(new, sharding.param_specs(new, rules)),  # on a mesh: one layout every step
@@ -197,11 +198,19 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
     ident = identity(cfg, target_dir)
+    if getattr(cfg, "cache", None):  # the cache's stream is part of the run
+        ident["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
     open_run(run_dir, export_dir, ident, overwrite)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
                                run_dir / "token-cache")
     train_tokens = train_stream(cfg, run_dir, streams)
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
+
+    cache = None
+    if getattr(cfg, "cache", None):  # the offline target cache (train.target_cache) of the drafter's layers
+        cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), tuple(cfg.target_layers or ()) or None)
+        if cache.manifest["seq_len"] != cfg.seq_len:
+            raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
 
     state = sharding.place_params(init(), rules, mesh)
     mngr, state = checkpoints(run_dir, cfg.checkpoint_every, state)
@@ -210,8 +219,16 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     t_last, n_tok = time.perf_counter(), 0
     record = None
     for step in range(start, stop):
-        batch = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
-        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh))
+        cached = None
+        if cache is None:
+            batch = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+        else:
+            got = cache.batch_at(step, cfg.batch_size, cfg.seed)
+            batch = got.pop("tokens")
+            cached = {k: jnp.asarray(v) if mesh is None else sharding.place(v, sharding.BATCH, mesh)
+                      for k, v in got.items() if v is not None and k != "states"}
+        state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
+                              cached)
         loss = float(m["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}")

@@ -24,7 +24,7 @@ from flax import nnx
 from specjax.checkpoint import load_model
 from specjax.drafters import feature as F, vocab as vocab_lib
 from specjax.models import family, transformer
-from train import drafter_run
+from train import drafter_run, target_cache
 from train.lm import REPO, _resolve
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,9 @@ class FeatureTrainConfig:
     # Extra training data: a .npy int32 token stream (train.continuations: the target's own
     # continuations) appended to the corpus's train split. None: the corpus alone.
     extra_train: str | None = None
+    # An offline target cache of `target_layers` (`train.target_cache`): steps read the target's features and
+    # top-k distribution from it instead of running the target. None: online.
+    cache: str | None = None
 
 
 def load_config(path) -> FeatureTrainConfig:
@@ -67,20 +70,26 @@ def head_config(cfg: FeatureTrainConfig, target) -> F.FeatureConfig:
     return F.FeatureConfig.for_target(target.config, cfg.target_layers, cfg.intermediate_size)
 
 
-def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None):
+def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None, cached: dict | None = None):
     """(weighted loss, per-step loss [K], per-step top-1 agreement [K]). `vocab_ids` [N]: a reduced
-    draft vocabulary (the loss and the agreement over those tokens)."""
+    draft vocabulary (the loss and the agreement over those tokens). `cached`: the batch's offline
+    target cache (features, top-k), in place of the target's pass (the top-k renormalised)."""
     B, T = tokens_BxT.shape
-    fam = family(target)  # a dense or a hybrid target: the same features, its own cache
-    out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
-                      transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
-    feats = jax.lax.stop_gradient(F.target_features(out))
+    if cached is None:
+        fam = family(target)  # a dense or a hybrid target: the same features, its own cache
+        out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)),
+                          fam.init_cache(target, B, T), transformer.causal_mask(B, T),
+                          hidden_layers=head.config.target_layers)
+        feats, t_logits = jax.lax.stop_gradient(F.target_features(out)), jax.lax.stop_gradient(out.logits)
+    else:
+        feats = cached["features"].astype(head.fc.weight.dtype)
+        t_logits = target_cache.dense_logits(cached["topk_ids"], cached["topk_logp"], head.config.vocab_size)
     if vocab_ids is None:
         logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
-        return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay)
+        return drafter_run.unrolled_loss(logits, t_logits, decay)
     rows = jax.lax.stop_gradient(vocab_lib.head_rows(target, vocab_ids))  # [N, E]
     logits = F.ttt_logits(head, target, tokens_BxT, feats, steps, rows)  # [K, B, T, N]
-    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits[..., vocab_ids]), decay)
+    return drafter_run.unrolled_loss(logits, t_logits[..., vocab_ids], decay)
 
 
 @functools.lru_cache(maxsize=4)
@@ -90,9 +99,9 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | 
     head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
 
-    def loss_of(params, tokens):
+    def loss_of(params, tokens, cached=None):
         return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
-                        cfg.depth_decay, cfg.ttt_steps, None if vocab_ids is None else jnp.asarray(vocab_ids))
+                        cfg.depth_decay, cfg.ttt_steps, None if vocab_ids is None else jnp.asarray(vocab_ids), cached)
 
     train_step, eval_step, init = drafter_run.unrolled_steps(
         cfg, loss_of, lambda: nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param), RULES)
