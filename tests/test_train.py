@@ -462,8 +462,13 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     f_online = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps)[0]
     f_offline = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps, cached=cached)[0]
     np.testing.assert_allclose(float(f_offline), float(f_online), rtol=2e-2)
-    fstate = feature.train(dataclasses.replace(fcfg, cache=str(out)), zoo["base"] / "feat-cache", progress=False)
+    fstate = feature.train(dataclasses.replace(fcfg, cache=str(out), init_from_target=True), zoo["base"] / "feat-cache",
+                           progress=False)
     assert int(fstate["step"]) == 2
+    _, _, _, _, _, tinit = feature._fns(dataclasses.replace(fcfg, init_from_target=True), target_dir)
+    thead = nnx.merge(head_def, tinit()["params"])  # the feature half of q from the target's top layer
+    np.testing.assert_array_equal(np.asarray(thead.q_proj.weight[...])[32:], np.asarray(top.self_attn.q_proj.weight[...]))
+    assert not np.asarray(thead.q_proj.weight[...])[:32].any()
     cfg = dataclasses.replace(cfg, cache=str(out), steps=4, eval_every=4)
     state = block.train(cfg, zoo["base"] / "blk-cache", zoo["base"] / "blk-cache-export", progress=False)
     assert int(state["step"]) == 4

@@ -60,6 +60,8 @@ class FeatureTrainConfig:
     # An offline target cache of `target_layers` (`train.target_cache`): steps read the target's features and
     # top-k distribution from it instead of running the target. None: online.
     cache: str | None = None
+    # Start the decoder layer from the target's top layer (`start_from_target`); ablation: False.
+    init_from_target: bool = False
 
 
 def load_config(path) -> FeatureTrainConfig:
@@ -92,6 +94,33 @@ def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None,
     return drafter_run.unrolled_loss(logits, t_logits[..., vocab_ids], decay)
 
 
+def start_from_target(head: F.FeatureHead, target) -> None:
+    """The decoder layer from the target's top layer (issue 43), where shapes allow: q/k/v read
+    [norm(E[x]); norm(feature)] (2E wide), so their feature half takes the target layer's projection
+    and their embedding half starts at zero; `hidden_norm` the layer's input norm; o_proj, the
+    post-attention norm, the MLP (where the widths match) and the final norm the target's; `fc`
+    passes the last read layer's hidden state through."""
+    cfg, tcfg = head.config, target.config
+    src = target.layers[tcfg.num_layers - 1]
+    attn = getattr(src, "self_attn", None)
+    if attn is None or (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) != (tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim):
+        raise ValueError("init_from_target needs a dense target whose attention shapes the drafter shares")
+    E = cfg.hidden_size
+    copy = lambda x: jnp.array(x, head.fc.weight.dtype)  # noqa: E731  (a copy: the training state is donated)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(attn, name).weight.get_value()  # [E, out]
+        getattr(head, name).weight.set_value(jnp.concatenate([jnp.zeros_like(w), w]).astype(head.fc.weight.dtype))
+    head.o_proj.weight.set_value(copy(attn.o_proj.weight.get_value()))
+    head.hidden_norm.weight.set_value(copy(src.input_layernorm.weight.get_value()))
+    head.post_attention_layernorm.weight.set_value(copy(src.post_attention_layernorm.weight.get_value()))
+    head.norm.weight.set_value(copy(target.norm.weight.get_value()))
+    if cfg.intermediate_size == tcfg.intermediate_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(head.mlp, name).weight.set_value(copy(getattr(src.mlp, name).weight.get_value()))
+    L = len(cfg.target_layers)
+    head.fc.weight.set_value(jnp.zeros((L * E, E), head.fc.weight.dtype).at[(L - 1) * E:].set(jnp.eye(E)))
+
+
 @functools.lru_cache(maxsize=4)
 def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
     target = load_model(target_dir)
@@ -103,8 +132,13 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | 
         return ttt_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens,
                         cfg.depth_decay, cfg.ttt_steps, None if vocab_ids is None else jnp.asarray(vocab_ids), cached)
 
-    train_step, eval_step, init = drafter_run.unrolled_steps(
-        cfg, loss_of, lambda: nnx.state(F.FeatureHead(hcfg, nnx.Rngs(cfg.seed)), nnx.Param), RULES)
+    def init_params():
+        head = F.FeatureHead(hcfg, nnx.Rngs(cfg.seed))
+        if cfg.init_from_target:
+            start_from_target(head, target)
+        return nnx.state(head, nnx.Param)
+
+    train_step, eval_step, init = drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
     return target, hcfg, head_def, train_step, eval_step, init
 
 
