@@ -3,7 +3,7 @@
 - every `design §X` cited in a .py or .md file of the repository names a heading of
   docs/design.md whose text starts with `X.` (e.g. `### 5b. Block drafters ...`), and so does every
   `§X` inside docs/design.md itself;
-- no file of the repository points outside it at `../shared`;
+- no file of the repository points outside it, at the steering folder beside the checkout;
 - README.md has at most 200 lines, and keeps the markers the report generator fills;
 - every relative link in README.md and docs/ (markdown `[text](target)`) points to a file or
   folder that exists in the repository, and a link into docs/design.md with `#anchor` names one of
