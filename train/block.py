@@ -507,14 +507,10 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     t_run, t_last, n_tok, train_s = time.perf_counter(), time.perf_counter(), 0, 0.0
     record = None
     for step in range(start, stop):
-        cached = None
         if cache is None:
-            batch = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+            batch, cached = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step), None  # [B, seq_len]
         else:
-            got = cache.batch_at(step, cfg.batch_size, cfg.seed)
-            batch = got.pop("tokens")
-            cached = {k: jnp.asarray(v) if mesh is None or k == "states" else sharding.place(v, sharding.BATCH, mesh)
-                      for k, v in got.items() if v is not None}
+            batch, cached = cache.step_batch(step, cfg.batch_size, cfg.seed, mesh)
         t0 = time.perf_counter()
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
                               cached)

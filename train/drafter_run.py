@@ -219,14 +219,10 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     t_last, n_tok = time.perf_counter(), 0
     record = None
     for step in range(start, stop):
-        cached = None
         if cache is None:
-            batch = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step)  # [B, seq_len]
+            batch, cached = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step), None
         else:
-            got = cache.batch_at(step, cfg.batch_size, cfg.seed)
-            batch = got.pop("tokens")
-            cached = {k: jnp.asarray(v) if mesh is None else sharding.place(v, sharding.BATCH, mesh)
-                      for k, v in got.items() if v is not None and k != "states"}
+            batch, cached = cache.step_batch(step, cfg.batch_size, cfg.seed, mesh, states=False)
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
                               cached)
         loss = float(m["loss"])

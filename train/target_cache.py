@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.models import family, hybrid, transformer
 from train import data
@@ -206,6 +207,14 @@ class TargetCache:
         if self.shards[0]["states"] is not None:
             out["states"] = np.stack([self.shards[s]["states"][:, r] for s, r in rows], axis=1).view(ml_dtypes.bfloat16)
         return out
+
+    def step_batch(self, step: int, batch_size: int, seed: int, mesh=None, states: bool = True):
+        """(tokens [B, T] numpy, the rest as device arrays) of a training step: rows over the mesh's
+        `data` axis where there is one (states replicated); `states=False` leaves them out."""
+        got = self.batch_at(step, batch_size, seed)
+        tokens = got.pop("tokens")
+        place = lambda k, v: jnp.asarray(v) if mesh is None or k == "states" else sharding.place(v, sharding.BATCH, mesh)  # noqa: E731
+        return tokens, {k: place(k, v) for k, v in got.items() if v is not None and (states or k != "states")}
 
     def batch_at(self, step: int, batch_size: int, seed: int) -> dict:
         n = len(self)
