@@ -458,7 +458,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     M, D = max_new_tokens, spec.max_depth
     layers = tuple(drafter.target_layers)
     fam = family(model)
-    root_B, cache, done_B, n_out_B, buf = carry.root, carry.cache, carry.done, carry.n_out, carry.buf
+    root_B, cache, done_B = carry.root, carry.cache, carry.done
     k_draft, k_verify = jax.random.split(jax.random.fold_in(key, carry.r))
     active = ~done_B
     with jax.named_scope("draft"):
