@@ -426,3 +426,43 @@ def test_draft_vocabulary(dense, tmp_path):
         BlockHead(cfg, nnx.Rngs(0))
     with pytest.raises(ValueError, match="draft_vocab must be"):
         BlockConfig.for_target(target.config, block_size=W, draft_vocab=VOCAB + 1)
+
+
+# ----------------------------------------------------------------------------- the published layouts' options
+
+@pytest.mark.parametrize("mask_token_id,from_anchor", [(5, True), (5, False), (None, False)])
+def test_token_mask_and_anchor_slot_variants(mask_token_id, from_anchor):
+    """`mask_token_id` (MASK = the target's embedding of a token, no learned vector) and
+    `sample_from_anchor=False` (slot k predicts start+k: W-1 drafts, as z-lab DFlash): the drafting
+    pass equals the training pass, and greedy output equals autoregressive output."""
+    target = tiny_target(VOCAB)
+    cfg = dataclasses.replace(BlockConfig.for_target(target.config, block_size=W, num_layers=2, markov_rank=8),
+                              mask_token_id=mask_token_id, sample_from_anchor=from_anchor)
+    head = BlockHead(cfg, nnx.Rngs(4))
+    assert (head.mask_embed is None) == (mask_token_id is not None)
+    assert cfg.drafts == (W if from_anchor else W - 1)
+    d = BlockDrafter(head, target)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 40)), jnp.int32)
+    feats = full_features(target, toks, cfg.target_layers)
+    tp = train_logits(head, target, toks, feats, jnp.asarray([[5, 20]]))
+    assert tp.base.shape[2] == cfg.drafts
+    fam = family(target)
+    for j, a in enumerate((5, 20)):
+        pre = fam.prefill(target, toks, jnp.asarray([a]), fam.init_cache(target, 1, 64), hidden_layers=cfg.target_layers)
+        base, h = d.draft_block(d.init(toks, jnp.asarray([a]), 64, pre), toks[:, a])[:2]
+        np.testing.assert_allclose(np.asarray(base[0]), np.asarray(tp.base[0, j]), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(h[0]), np.asarray(tp.hidden[0, j]), atol=2e-4, rtol=1e-4)
+    prompts = [toks[0, :n].tolist() for n in (6, 9)]
+    ref = specjax.generate(target, prompts, max_new_tokens=16).sequences()
+    assert specjax.generate(target, prompts, max_new_tokens=16, drafters=[d]).sequences() == ref
+    with pytest.raises(ValueError, match="deeper than"):
+        specjax.generate(target, prompts, max_new_tokens=4, drafters=[d], tree=f"chain={W + (1 if from_anchor else 0)}")
+
+
+def test_published_options_are_checked():
+    target = tiny_target(VOCAB)
+    cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dataclasses.replace(cfg, mask_token_id=VOCAB)
+    with pytest.raises(ValueError, match="DSpark / DFlash only"):
+        dataclasses.replace(cfg, sample_from_anchor=False, boundary=True)

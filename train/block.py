@@ -121,6 +121,11 @@ class BlockTrainConfig:
     # Start the backbone from the target: backbone layer i <- target layer L - n + i (attention, norms, and
     # the MLP where the widths match), fc passing the last read layer's feature through. Ablation: False.
     init_from_target: bool = False
+    # MASK slots as the target's embedding of this vocabulary token (as DeepSpec / z-lab / speculators: the
+    # drafter then exports to speculators exactly); None: a learned MASK vector. `sample_from_anchor`: False,
+    # the published DFlash slots (slot k predicts start+k, W-1 drafts; z-lab exports need it).
+    mask_token_id: int | None = None
+    sample_from_anchor: bool = True
 
     def __post_init__(self):
         if self.extra_repeat < 1:
@@ -147,7 +152,8 @@ def head_config(cfg: BlockTrainConfig, target) -> Bk.BlockConfig:
                                      state_layers=cfg.state_layers or (), reader_rank=cfg.reader_rank,
                                      reader_out_rank=cfg.reader_out_rank, reader_layer=cfg.reader_layer,
                                      ar_intermediate=cfg.ar_intermediate, boundary=cfg.boundary,
-                                     draft_vocab=cfg.draft_vocab or 0)
+                                     draft_vocab=cfg.draft_vocab or 0, mask_token_id=cfg.mask_token_id,
+                                     sample_from_anchor=cfg.sample_from_anchor)
 
 
 def sample_anchors(key, B: int, T: int, A: int, W: int):
@@ -236,7 +242,7 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     ablation, the reader on zeroed states; `lags`: DPara's acceptance boundaries, default
     `cyclic_lags`; `cached`: the batch's offline target cache, in place of the target's pass)."""
     hc = head.config
-    W = hc.block_size
+    W = hc.drafts  # = block_size, or W-1 without the anchor's slot (its outputs dropped by train_logits)
     if cached is None:
         feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, cfg.state_every)
     else:
@@ -293,7 +299,7 @@ def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: b
     """Self-fed greedy walk per block: (agree [B, A, W], accepted [B, A, W], confidence logits or None).
     `zero_state`: ReaDy's ablation, the reader on zeroed states; `lags`: DPara's boundaries."""
     hc = head.config
-    W = hc.block_size
+    W = hc.drafts
     feats, tlogits, states = _target_pass(target, tokens_BxT, hc, anchors_BxA, every)
     if zero_state:
         states = jnp.zeros_like(states)

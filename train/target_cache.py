@@ -19,7 +19,7 @@ then counted in the manifest, so a stopped build continues where it ended (`buil
 same arguments); other arguments are refused. Memory-mapped reads: a cache larger than memory works.
 
     python -m train.target_cache --target models/code-target --layers 1,4,6 --out runs/cache/code-target \\
-        --windows 4096 [--extra runs/code-target-continuations.npy --extra-repeat 2]
+        --windows 4096 [--extra runs/code-target-continuations.npy --extra-repeat 2] [--corpus-tokens N]
 """
 from __future__ import annotations
 
@@ -245,13 +245,15 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--extra", default=None, help="a .npy token stream (the target's continuations) mixed in")
     ap.add_argument("--extra-repeat", type=int, default=1)
+    ap.add_argument("--corpus-tokens", type=int, default=None,
+                    help="the corpus's first N training tokens only (sets the extra's share when --windows cuts)")
     ap.add_argument("--state-layers", default="", help="hybrid targets (ReaDy): Gated DeltaNet layers to store")
     ap.add_argument("--state-every", type=int, default=8)
     ap.add_argument("--manifest", default="train/manifest.json")
     args = ap.parse_args(argv)
     target_dir = str(_resolve(args.target))
     streams = load_streams_for(load_tokenizer(target_dir), args.manifest, None, None, Path(args.out) / "token-cache")
-    corpus = streams.train
+    corpus = streams.train if args.corpus_tokens is None else streams.train[:args.corpus_tokens]
     parts, mix = [corpus], {"corpus_tokens": int(len(corpus))}
     if args.extra:
         extra = np.load(args.extra).astype(np.int32)

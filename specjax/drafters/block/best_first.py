@@ -38,7 +38,7 @@ class BestFirst:
 
     def check_best_first(self, spec, rule: str) -> None:
         """ValueError on a best-first setup this drafter cannot draft."""
-        W = self.head.config.block_size
+        W = self.head.config.drafts
         if spec.depth is None:
             raise ValueError("an unresolved best-first tree: call the drafter's resolve_tree first")
         if self.head.config.ar_drafts:
@@ -90,7 +90,7 @@ class BestFirst:
     def resolve_tree(self, spec):
         """A best-first tree without a depth reaches min(block, nodes - 1)."""
         if isinstance(spec, tree_lib.BestFirstTree) and spec.depth is None:
-            return dataclasses.replace(spec, depth=min(self.head.config.block_size, spec.nodes - 1))
+            return dataclasses.replace(spec, depth=min(self.head.config.drafts, spec.nodes - 1))
         return spec
 
     def tables(self, blk: BlockPass, root_B, spec):

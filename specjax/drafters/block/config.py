@@ -40,12 +40,33 @@ class BlockConfig:
     # tokens of the training stream (the drafter's token ranking) in the base logits and the Markov head
     # (W1 gets one more row, for every token outside); q is zero elsewhere. Fixed at training. 0: all V.
     draft_vocab: int = 0
+    # The published layouts' block input (DFlash, DSpark as z-lab, DeepSpec and speculators write them;
+    # `specjax.drafters.interop`): MASK slots are the target's frozen embedding of this token (None: a
+    # learned MASK vector, `mask_embed`). Only a drafter with a token MASK exports exactly.
+    mask_token_id: int | None = None
+    # Slot semantics: True, slot k predicts the token at start+k+1 (W drafts: ours, DSpark, DeepSpec);
+    # False, slot k predicts the token at start+k and slot 0 (the anchor's) drafts nothing (W-1 drafts:
+    # z-lab DFlash, speculators' `sample_from_anchor: false`)
+    sample_from_anchor: bool = True
+
+    @property
+    def drafts(self) -> int:
+        """Draft positions per block: W, or W-1 when the anchor's slot predicts nothing."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def __post_init__(self):
         if not 0 <= self.draft_vocab <= self.vocab_size:
             raise ValueError(f"draft_vocab must be in 0..{self.vocab_size} (0: the full vocabulary), got {self.draft_vocab}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if not self.sample_from_anchor:
+            if self.block_size < 2:
+                raise ValueError("a block whose anchor slot drafts nothing (sample_from_anchor=False) needs block_size >= 2")
+            if self.boundary or self.state_layers or self.ar_intermediate:
+                raise ValueError("sample_from_anchor=False (the published DFlash slots) is built for DSpark / DFlash "
+                                 "only: not with DPara, ReaDy or a TreeFlash head")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0 (0: DFlash), got {self.markov_rank}")
         if self.markov not in MARKOV_KINDS:
@@ -53,8 +74,8 @@ class BlockConfig:
         if self.confidence and self.markov_rank == 0:
             raise ValueError("the confidence head reads the Markov embedding: it needs markov_rank > 0")
         t = self.confidence_temperatures
-        if t is not None and len(t) != self.block_size:
-            raise ValueError(f"confidence_temperatures has {len(t)} entries for block_size {self.block_size}")
+        if t is not None and len(t) != self.drafts:
+            raise ValueError(f"confidence_temperatures has {len(t)} entries for {self.drafts} draft positions")
         if self.ar_intermediate < 0:
             raise ValueError(f"ar_intermediate must be >= 0 (0: no TreeFlash head), got {self.ar_intermediate}")
         if self.boundary and self.state_layers:
@@ -90,7 +111,8 @@ class BlockConfig:
     @classmethod
     def for_target(cls, target_cfg, *, block_size=8, num_layers=2, markov_rank=128, confidence=True,
                    target_layers=None, intermediate_size=None, state_layers=(), reader_rank=8, reader_out_rank=64,
-                   reader_layer=1, ar_intermediate=0, boundary=False, draft_vocab=0) -> "BlockConfig":
+                   reader_layer=1, ar_intermediate=0, boundary=False, draft_vocab=0, mask_token_id=None,
+                   sample_from_anchor=True) -> "BlockConfig":
         """`state_layers`: () for DSpark / DFlash; target layer indices of Gated DeltaNet layers, or
         "all" (every one), for ReaDy (a hybrid target only)."""
         L = target_cfg.num_layers
@@ -117,7 +139,8 @@ class BlockConfig:
                    markov_rank=markov_rank, confidence=confidence and markov_rank > 0,
                    rms_norm_eps=target_cfg.rms_norm_eps, state_layers=tuple(state_layers), state_shape=state_shape,
                    reader_rank=reader_rank, reader_out_rank=reader_out_rank, reader_layer=reader_layer,
-                   ar_intermediate=ar_intermediate, boundary=boundary, draft_vocab=draft_vocab or 0)
+                   ar_intermediate=ar_intermediate, boundary=boundary, draft_vocab=draft_vocab or 0,
+                   mask_token_id=mask_token_id, sample_from_anchor=sample_from_anchor)
 
 
 def parse_confidence(confidence):

@@ -31,7 +31,8 @@ from specjax import attention as attention_lib
 from specjax import kvcache
 from specjax import tree as tree_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal
-from specjax.drafters.block.network import BlockPass, BlockState, backbone, base_logits, context_kv, token_context
+from specjax.drafters.block.network import (BlockPass, BlockState, backbone, base_logits, context_kv, mask_vector,
+                                            token_context)
 from specjax.kvcache import KVCache
 from specjax.models.transformer import rms_norm
 
@@ -67,7 +68,7 @@ class Boundaries:
             cache = kvcache.write(cache, i, k, v, offset_B=after)  # the blocks after them
             return bound(q, cache, i)
 
-        x = jnp.broadcast_to(head.mask_embed[...], (B, N * W, cfg.hidden_size))
+        x = jnp.broadcast_to(mask_vector(head, self.target), (B, N * W, cfg.hidden_size))
         _, pre = backbone(head, x, pos, attend)
         return pre.reshape(B, N, W, -1), cache
 

@@ -46,6 +46,7 @@ from specjax.drafters.block.network import (
     confidence_logit,
     context,
     context_kv,
+    drafted_slots,
     markov_embed,
     position_logits,
     row_logits,
@@ -89,7 +90,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
 
     @property
     def default_tree(self) -> str:
-        return f"chain={self.head.config.block_size}"
+        return f"chain={self.head.config.drafts}"
 
     def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False,
                  path_calibration: PathCalibration | None = None, boundaries: int | None = None):
@@ -126,13 +127,13 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
                    path_calibration=read_path_calibration(spec))
 
     def check_tree(self, spec, rule: str) -> int:
-        W = self.head.config.block_size
+        W = self.head.config.drafts
         if isinstance(spec, tree_lib.BestFirstTree):
             self.check_best_first(spec, rule)
             return self.scratch_slots(spec.num_nodes)
         super().check_tree(spec, rule)
         if spec.max_depth > W:
-            raise ValueError(f"tree depth {spec.max_depth} is deeper than the block drafter's block ({W} positions): "
+            raise ValueError(f"tree depth {spec.max_depth} is deeper than the block drafter's block ({W} draft positions): "
                              f"use a tree of depth <= {W}")
         if not tree_lib.is_chain(spec) and self.confidence != "off":
             raise ValueError("confidence cuts apply to a chain (tree='chain=k'); a tree from the block drafter "
@@ -202,6 +203,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
             raise ValueError("this ReaDy drafter's state holds no target state: make it with this drafter's init")
         inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
         h, pre = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
+        h, pre = drafted_slots(cfg, h), drafted_slots(cfg, pre)  # draft position d: slot d (or d + 1)
         return BlockPass(base_logits(self.head, self.target, h), h, cache, pre)
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
@@ -218,7 +220,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         if not tree_lib.is_chain(ctx.spec):
             return self._propose_tree(state, cache, blk, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
-        temps = jnp.asarray(cfg.confidence_temperatures or (1.0,) * cfg.block_size, jnp.float32)
+        temps = jnp.asarray(cfg.confidence_temperatures or (1.0,) * cfg.drafts, jnp.float32)
         V = self.vocab_size
 
         def walk(k, carry):  # the Markov walk, the only sequential part: one step per position, in a loop
@@ -269,7 +271,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         holding token x is followed by block position d, whose Markov logits are b_d + W2(W1[x])
         (the exact distribution this drafter would draft from there). Past the block (d >= W) q is
         uniform. The state is not changed."""
-        W = self.head.config.block_size
+        W = self.head.config.drafts
         if self.head.config.boundary:
             raise ValueError("a DPara drafter drafts from a block precomputed for its own previous draft: it cannot "
                              "score another drafter's tree (can_score=False)")

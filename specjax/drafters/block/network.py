@@ -23,8 +23,9 @@ One backbone forward drafts a whole block of W positions:
 
 `train_logits` is the training pass over many anchors at once; the drafting passes live in
 `drafter.py` (DSpark / DFlash), `dpara.py` and `best_first.py`; ReaDy's reader in `ready.py`.
-Departures from DeepSpec: MASK is a learned vector, not a vocabulary token (our tokenizer has no
-mask token); only the `vanilla` Markov head is built (the config key exists for `gated` / `rnn`).
+MASK is a learned vector, or (`mask_token_id`, as DeepSpec, z-lab and speculators) the target's
+frozen embedding of a vocabulary token; only the `vanilla` Markov head is built (the published
+`gated` / `rnn` heads are refused).
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class BlockHead(nnx.Module):
         n_in, n_out = (cfg.draft_vocab + 1, cfg.draft_vocab) if cfg.draft_vocab else (cfg.vocab_size, cfg.vocab_size)
         self.fc = Linear(len(cfg.target_layers) * E, E, bias=False, rngs=rngs, dtype=dtype)
         self.context_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
-        self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (E,), dtype))
+        self.mask_embed = (None if cfg.mask_token_id is not None  # MASK: the target's embedding of that token
+                           else nnx.Param(0.02 * jax.random.normal(rngs.params(), (E,), dtype)))
         self.layers = nnx.List([BlockLayer(cfg, rngs, dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         if r > 0:
@@ -152,12 +154,20 @@ def context_kv(head: BlockHead, c_BxTxE, positions_BxT):
     return [_kv(layer, head.config, c_BxTxE, cos, sin) for layer in head.layers]
 
 
+def mask_vector(head: BlockHead, target, dtype=None):
+    """MASK [E]: the learned vector, or the target's frozen embedding of `mask_token_id`."""
+    if head.mask_embed is not None:
+        return head.mask_embed[...]
+    e = transformer.embed(target, jnp.asarray([head.config.mask_token_id]))[0]
+    return e.astype(dtype or head.fc.weight.dtype)
+
+
 def block_input(head: BlockHead, target, anchors_BxA):
     """[anchor, MASK x (W-1)] per anchor, embedded: [B, A*W, E]. DPara (`boundary`): MASK x W, the
     anchor (the bonus token) is not known when its block runs; the Markov head brings it in."""
     B, A = anchors_BxA.shape
     W = head.config.block_size
-    x = jnp.broadcast_to(head.mask_embed[...], (B, A, W, head.config.hidden_size))
+    x = jnp.broadcast_to(mask_vector(head, target), (B, A, W, head.config.hidden_size))
     if not head.config.boundary:
         x = x.at[:, :, 0].set(transformer.embed(target, anchors_BxA).astype(x.dtype))
     return x.reshape(B, A * W, -1)
@@ -285,6 +295,8 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
     all accepted, tokens[a_j] the bonus. It sees target features of positions < a_j - g_j - 1 only,
     positions a_j - g_j - 1 .. a_j - 1 (root and accepted draft) as `token_context`, and its own W
     MASK positions; the anchor token reaches it through the Markov head alone.
+    `sample_from_anchor=False`: the outputs hold the W-1 drafting slots (`drafted_slots`), position j
+    predicting tokens[a_j + j + 1] as above.
 
     Block j starts at anchor a_j (its token tokens[a_j]), sees the context positions < a_j and its
     own W positions (non-causal). Position k predicts tokens[a_j + k + 1]; its Markov input is the
@@ -322,9 +334,13 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
         raise ValueError("a state-reading block drafter (ReaDy) trains on the target's states at the anchors")
     h, pre = backbone(head, block_input(head, target, jnp.take_along_axis(tokens_BxT, anchors_BxA, axis=1)),
                       pos_BxAxW.reshape(B, Q), attend, state_injector(head, states_LxBxAxHxKxV, A))
+    if not cfg.sample_from_anchor:  # the anchor's slot drafts nothing: slot k (>= 1) predicts a_j + k
+        h, pre = (x.reshape(B, A, W, -1)[:, :, 1:].reshape(B, A * (W - 1), -1) for x in (h, pre))
+        W = cfg.drafts
+        pos_BxAxW = anchors_BxA[..., None] + jnp.arange(W)
     base = base_logits(head, target, h).reshape(B, A, W, -1)
     h = h.reshape(B, A, W, -1)
-    prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, Q), axis=1).reshape(B, A, W)
+    prev = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_BxAxW, T - 1).reshape(B, A * W), axis=1).reshape(B, A, W)
     m = markov_embed(head, prev)
     logits = position_logits(head, base, m, wide=False)
     conf = confidence_logit(head, h, m) if cfg.confidence else None
@@ -332,11 +348,17 @@ def train_logits(head: BlockHead, target, tokens_BxT, features_BxTxF, anchors_Bx
     return TrainPass(logits, conf, h, base, ar, pre.reshape(B, A, W, -1))
 
 
+def drafted_slots(cfg: BlockConfig, x_BxWx):
+    """The slots that draft ([B, W, ...] -> [B, `cfg.drafts`, ...]): all W, or W-1 without the anchor's
+    (`sample_from_anchor=False`); draft position d then reads slot d + 1."""
+    return x_BxWx if cfg.sample_from_anchor else x_BxWx[:, 1:]
+
+
 def self_fed_walk(head: BlockHead, base_BxWxV, h_BxWxE, anchor_B, pre_BxWxE=None, target=None):
     """Greedy walk with the drafter's own previous token (how drafting runs; `row_logits`: `pre` and
-    `target` for an autoregressive DPara head): tokens [B, W], confidence logits [B, W] (None without
-    the head)."""
-    W = head.config.block_size
+    `target` for an autoregressive DPara head) over the drafting slots (`drafted_slots`): tokens
+    [B, D], confidence logits [B, D] (None without the head)."""
+    W = head.config.drafts
     prev, toks, confs = anchor_B, [], []
     for k in range(W):
         m = markov_embed(head, prev)
