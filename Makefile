@@ -9,7 +9,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,hf,tools]'
+	$(BIN)/pip install -q -e '.[test,hf,tools,interop]'
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 dflash==0.1.0  # references of tests/test_interop.py
 	touch $@
 
 install: $(VENV)/.installed

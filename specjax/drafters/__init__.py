@@ -9,11 +9,12 @@ from specjax.drafters import heads
 from specjax.drafters.base import REGISTRY, Committed, DraftContext, Drafter, Proposal, SourceScores, register
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
 from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
+from specjax.drafters.interop import FORMATS, InteropError
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from specjax.drafters.ngram import NgramDrafter
 
-__all__ = ["REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
+__all__ = ["FORMATS", "InteropError", "REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None,
@@ -37,7 +38,7 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     for name, value in given.items():
         if value is not None and name not in takes:
             raise ValueError(f"the {kind!r} drafter takes no {OPTION_WORDS[name]}")
-    if os.path.isdir(spec) and target_path is not None:
+    if os.path.isdir(spec) and target_path is not None and kind not in {f.name for f in FORMATS}:
         check_feature_target(spec, target_path)
     kwargs = {k: v for k, v in given.items() if v is not None}
     if "target_path" in takes:
@@ -55,7 +56,8 @@ OPTION_WORDS = {
 
 def drafter_kind(spec: str) -> str:
     """The registered kind `spec` names: a bare name (`ngram`, `ngram:N`, `mtp`), a drafter directory's
-    `drafter_config.json` "drafter", or "lm" for a model directory without one."""
+    `drafter_config.json` "drafter", a published layout a format recognises (`interop.FORMATS`:
+    speculators, SafeAILab EAGLE-3, z-lab DFlash, DeepSpec), or "lm" for a model directory."""
     name = spec.partition(":")[0]
     if not os.path.isdir(spec):
         if name in REGISTRY and REGISTRY[name].by_name:
@@ -63,8 +65,8 @@ def drafter_kind(spec: str) -> str:
         named = sorted(k for k, c in REGISTRY.items() if c.by_name)
         raise ValueError(f"drafter {spec!r}: not one of {named} and no such directory")
     config_file = os.path.join(spec, heads.CONFIG_FILE)
-    if not os.path.exists(config_file):
-        return "lm"
+    if not os.path.exists(config_file):  # a published layout (`specjax.drafters.interop`), else an HF model
+        return next((fmt.name for fmt in FORMATS if fmt.detect(spec)), "lm")
     try:
         with open(config_file) as f:
             kind = json.load(f).get("drafter")

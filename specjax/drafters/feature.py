@@ -45,6 +45,17 @@ class FeatureConfig:
     target_layers: tuple[int, ...]  # target layer outputs fused by `fc` (low, middle, high)
     vocab_size: int
     rms_norm_eps: float = 1e-5
+    # EAGLE-3's options, for published drafters (`specjax.drafters.interop`): the residual is
+    # hidden_norm(x) rather than x (`norm_before_residual`); the drafter's own RoPE base (None: the
+    # target's RoPE); its own LM head of N rows over draft ids (`own_head` = N, the ids in `draft_ids`;
+    # 0: the target's head, shared)
+    norm_before_residual: bool = False
+    rope_theta: float | None = None
+    own_head: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.own_head <= self.vocab_size:
+            raise ValueError(f"own_head must be in 0..{self.vocab_size} (0: the target's LM head), got {self.own_head}")
 
     @classmethod
     def for_target(cls, target_cfg, target_layers=None, intermediate_size=None) -> "FeatureConfig":
@@ -59,9 +70,19 @@ class FeatureConfig:
 class FeatureHead(nnx.Module):
     """The trainable part of the drafter."""
 
-    def __init__(self, cfg: FeatureConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: FeatureConfig, rngs: nnx.Rngs, dtype=jnp.float32, draft_ids=None):
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.config = cfg
+        if cfg.own_head:  # a published drafter's own LM head: its rows and the token id of each (constants)
+            if draft_ids is None or len(draft_ids) != cfg.own_head:
+                raise ValueError(f"this feature drafter has its own LM head of {cfg.own_head} rows: pass their token "
+                                 f"ids (draft_ids), got {None if draft_ids is None else len(draft_ids)}")
+            self.lm_head = nnx.Param(jnp.zeros((cfg.own_head, E), dtype))
+            self.head_ids = vocab_lib.DraftVocab(jnp.asarray(vocab_lib.check_ids(draft_ids, cfg.vocab_size)))
+        elif draft_ids is not None:
+            raise ValueError("draft_ids go with a config's own_head > 0")
+        else:
+            self.lm_head = self.head_ids = None
         self.fc = Linear(len(cfg.target_layers) * E, E, bias=False, rngs=rngs, dtype=dtype)
         self.embed_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(E, cfg.rms_norm_eps, dtype)
@@ -88,7 +109,11 @@ def qkv(head: FeatureHead, target: Model, tokens_BxT, x_BxTxE, positions_BxT, ro
     v = linear(head.v_proj, h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if not rope:
         return q, k, v
-    cos, sin = transformer.rope_cos_sin(target.config, positions_BxT)
+    if cfg.rope_theta is None:
+        cos, sin = transformer.rope_cos_sin(target.config, positions_BxT)
+    else:  # the drafter's own RoPE base (a published EAGLE-3 drafter's)
+        inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+        cos, sin = attention_lib.cos_sin(inv, positions_BxT)
     return transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin), v
 
 
@@ -97,7 +122,8 @@ def finish(head: FeatureHead, target: Model, x_BxTxE, attn_BxTxHxD, vocab=None):
     (ids [N], LM-head rows [N, E]) of a reduced draft vocabulary (-inf logits elsewhere;
     `specjax.drafters.vocab`), or rows [N, E] alone for the N logits only (training); None: the full head."""
     B, T = x_BxTxE.shape[:2]
-    x = x_BxTxE + linear(head.o_proj, attn_BxTxHxD.reshape(B, T, -1))
+    res = rms_norm(head.hidden_norm, x_BxTxE) if head.config.norm_before_residual else x_BxTxE
+    x = res + linear(head.o_proj, attn_BxTxHxD.reshape(B, T, -1))
     h = rms_norm(head.post_attention_layernorm, x)
     x = x + linear(head.mlp.down_proj, jax.nn.silu(linear(head.mlp.gate_proj, h)) * linear(head.mlp.up_proj, h))
     h = rms_norm(head.norm, x)
@@ -189,6 +215,10 @@ class FeatureDrafter(heads.HeadDrafter):
         `draft_vocab`: token ids [N] of a reduced draft vocabulary (`specjax.drafters.vocab`: the LM
         head's N rows only; q is zero elsewhere); None: the full vocabulary."""
         self.check_target(head.config, target, "feature")
+        if head.config.own_head and draft_vocab is not None:
+            raise ValueError("this feature drafter has its own LM head over its own draft ids: it takes no draft_vocab")
+        if fold is not None and head.config.rope_theta is not None:
+            raise ValueError("FOLD attends with the target's RoPE: this feature drafter has its own (rope_theta)")
         self.head = head
         self.target = target  # shared: embedding and LM head
         self.fold = fold_lib.check(fold)  # static: FOLD attention in every step (None: plain)
@@ -201,6 +231,8 @@ class FeatureDrafter(heads.HeadDrafter):
 
     @property
     def _vocab(self):
+        if self.head.lm_head is not None:  # its own head: its rows over its ids
+            return self.head.head_ids[...], self.head.lm_head[...]
         return None if self.vocab_ids is None else (self.vocab_ids[...], self.vocab_rows[...])
 
     def with_fold(self, cfg) -> "FeatureDrafter":
@@ -308,7 +340,12 @@ def save_feature_head(head: FeatureHead, path: str, dtype=None) -> None:
 
 
 def load_feature_head(path: str, dtype=jnp.float32) -> FeatureHead:
+    """A feature head; one with its own LM head reads its rows' token ids from the directory's ranking."""
     raw = heads.read_config(path, "feature")
     raw["target_layers"] = tuple(raw["target_layers"])
     cfg = FeatureConfig(**raw)
-    return heads.load_params(nnx.eval_shape(lambda: FeatureHead(cfg, nnx.Rngs(0), dtype)), path, dtype)
+    ids = vocab_lib.draft_ids(path, cfg.vocab_size, cfg.own_head) if cfg.own_head else None
+    head = heads.load_params(nnx.eval_shape(lambda: FeatureHead(cfg, nnx.Rngs(0), dtype, ids)), path, dtype)
+    if ids is not None:  # constants: made concrete again (eval_shape left them abstract)
+        head.head_ids = vocab_lib.DraftVocab(jnp.asarray(ids, jnp.int32))
+    return head
