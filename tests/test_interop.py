@@ -5,6 +5,7 @@
   random config over a tiny 8-layer target, loaded by `load_drafter`, and our logits equal the
   reference forward's within 1e-4 in float32 (EAGLE-3: two training-time-test steps; block
   drafters: the block's base / Markov logits and the confidence logit);
+- a speculators `mtp` head on a dense Qwen3 target: the first step's logits;
 - greedy `generate` with each loaded drafter equals autoregressive output, batch 1 and batch 4 with
   ragged prompts;
 - our feature drafter and DSpark exported to the speculators format are read back by the package's
@@ -28,13 +29,17 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from safetensors.torch import load_file
 from safetensors.torch import save_file as torch_save_file
 from transformers import LlamaConfig, Qwen3Config
 
 import specjax
+from dflash.model import DFlashDraftModel as ZLab
 from helpers import full_features
+from specjax import kvcache
 from specjax.checkpoint import save_model
-from specjax.drafters import BlockDrafter, FeatureDrafter, drafter_kind, load_drafter
+from specjax.drafters import BlockDrafter, FeatureDrafter, MTPDrafter, drafter_kind, load_drafter
+from specjax.drafters import mtp as mtp_lib
 from specjax.drafters.block import BlockConfig, BlockHead, save_block_head, train_logits
 from specjax.drafters.feature import FeatureConfig, FeatureHead, save_feature_head, ttt_logits
 from specjax.drafters.interop import InteropError
@@ -42,10 +47,12 @@ from specjax.drafters.interop.export import export
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
-from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402 - the references (the interop extra)
+from speculators.config import SpeculatorsConfig, VerifierConfig  # the references (the interop extra)
+from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+from speculators.models.mtp import MTPDraftModel, MTPSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +189,6 @@ def test_eagle3_safeailab_parity(target, target_dir, tmp_path):
         "tie_word_embeddings": False, "torch_dtype": "float32"}))
     assert drafter_kind(str(src)) == "safeailab-eagle3"
     d = load_drafter(str(src), target)
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     Eagle3Converter().convert(src, tmp_path / "converted", target_dir, validate=False,
                               eagle_aux_hidden_state_layer_ids=AUX)
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "converted"))
@@ -201,7 +207,6 @@ def test_eagle3_safeailab_parity(target, target_dir, tmp_path):
 
 
 def _torch_tensors(path):
-    from safetensors.torch import load_file
     return {k: v.float() if v.is_floating_point() else v for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
 
 
@@ -290,7 +295,6 @@ def test_block_speculators_parity(target, tmp_path, kind, sample_from_anchor):
 def test_dflash_zlab_parity(target, tmp_path):
     """z-lab's `dflash` package: its DFlashDraftModel saved and run as `dflash_generate` runs it
     ([bonus, MASK x (W-1)], slots 1.. predict start+1..)."""
-    from dflash.model import DFlashDraftModel as ZLab
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=2, num_attention_heads=H,
                       num_key_value_heads=K, head_dim=D, rms_norm_eps=1e-5, max_position_embeddings=512,
@@ -331,6 +335,10 @@ def test_deepspec_layout(target, tmp_path):
         "confidence_head_with_markov": True, "markov_rank": 8, "markov_head_type": "vanilla",
         "layer_types": ["full_attention"] * 2, "tie_word_embeddings": False}))
     assert drafter_kind(str(tmp_path)) == "deepspec"
+    _rewrite(tmp_path, num_target_layers=L + 4)  # a drafter for a deeper target
+    with pytest.raises(InteropError, match="num_target_layers 12, the target has 8"):
+        load_drafter(str(tmp_path), target)
+    _rewrite(tmp_path, num_target_layers=L)
     d = load_drafter(str(tmp_path), target)
     tokens, anchor = _inputs(6), 8
     tp, feats = _ours_block(d, target, tokens, anchor)
@@ -440,3 +448,37 @@ def test_refusals(target, target_dir, tmp_path):
                         "--drafter", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "hidden_size 32" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_mtp_speculators_parity(tmp_path):
+    """A speculators `mtp` checkpoint (the package's MTPDraftModel) on a dense Qwen3 target: the first
+    step's logits equal the reference forward's; greedy output equals AR."""
+    torch.manual_seed(0)
+    tl = Qwen3Config(vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=2, num_attention_heads=H,
+                     num_key_value_heads=K, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                     max_position_embeddings=512)
+    sc = SpeculatorsConfig(algorithm="mtp", default_proposal_method="greedy", verifier=_verifier(),
+                           proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)])
+    m = MTPDraftModel(MTPSpeculatorConfig(transformer_layer_config=tl, speculators_config=sc)).float().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.2 * torch.randn_like(p))
+    m.save_pretrained(str(tmp_path))
+    target = transformer.init_model(ModelConfig(vocab_size=V, hidden_size=E, intermediate_size=F, num_layers=2,
+                                                num_heads=H, num_kv_heads=K, head_dim=D, model_type="qwen3",
+                                                qk_norm=True, rms_norm_eps=1e-6, max_position_embeddings=512), seed=1)
+    target.embed_tokens.set_value(jnp.asarray(m.embed_tokens.weight.detach().numpy()))
+    target.lm_head.weight.set_value(jnp.asarray(m.lm_head.weight.detach().numpy().T))
+    d = load_drafter(str(tmp_path), target)
+    assert isinstance(d, MTPDrafter)
+    T = 12
+    ids = torch.randint(0, V, (1, T))
+    hs = torch.randn(1, T, E)
+    with torch.no_grad():
+        ref = m(input_ids=ids, hidden_states=hs)[0][0].numpy()  # step 0: [1, T-?, V]
+    n = T - 4
+    cache = kvcache.set_length(kvcache.init(1, 1, n, K, D, jnp.float32), jnp.zeros((1,), jnp.int32))
+    _, ours, _ = mtp_lib.step(d.head, target, 0, jnp.asarray(ids.numpy()[:, 1:1 + n]), jnp.asarray(hs.numpy())[:, :n],
+                              jnp.arange(n)[None], cache, transformer.causal_mask(1, n))
+    np.testing.assert_allclose(np.asarray(ours)[0], ref[0, :n], atol=TOL, rtol=TOL)
+    _check_greedy(target, d)

@@ -35,7 +35,8 @@ NORMS = ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attent
 
 
 def config_for(layer: dict, *, target_layers, block_size: int, mask_token_id, markov_rank: int, markov_type: str,
-               confidence: bool, confidence_with_markov: bool, sample_from_anchor: bool, target, where: str) -> BlockConfig:
+               confidence: bool, confidence_with_markov: bool, sample_from_anchor: bool, target, where: str,
+               num_target_layers: int | None = None) -> BlockConfig:
     """Our config from a published block drafter's fields (`target_layers` as layer outputs)."""
     if markov_rank and markov_type != "vanilla":
         raise InteropError(f"{where}: markov_head_type {markov_type!r}: only the 'vanilla' Markov head is built")
@@ -54,7 +55,8 @@ def config_for(layer: dict, *, target_layers, block_size: int, mask_token_id, ma
     layers = tuple(int(i) for i in target_layers)
     if not layers:
         raise InteropError(f"{where}: missing the target layer ids the drafter reads")
-    check_target(where, hidden_size=layer["hidden_size"], vocab_size=layer["vocab_size"], layers=layers, target=target)
+    check_target(where, hidden_size=layer["hidden_size"], vocab_size=layer["vocab_size"], layers=layers, target=target,
+                 num_target_layers=num_target_layers)
     theta = own_rope_theta(layer, target, where)
     if theta is None and target.config.rope_scaling.rope_type != "default":
         raise InteropError(f"{where}: a scaled RoPE ({target.config.rope_scaling.rope_type}): the block drafter's is plain")

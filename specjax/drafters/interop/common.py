@@ -160,7 +160,8 @@ def own_rope_theta(layer: dict, target, where: str) -> float | None:
     return float(layer["rope_theta"])
 
 
-def check_target(where: str, *, hidden_size: int, vocab_size: int, layers: tuple[int, ...], target) -> None:
+def check_target(where: str, *, hidden_size: int, vocab_size: int, layers: tuple[int, ...], target,
+                 num_target_layers: int | None = None) -> None:
     """The drafter was made for a target of this width and vocabulary, reading layers it has. Our
     ids are outputs of layers 0 .. L-2: the last one (id L-1) is taken after the final norm by the
     published code, before it by ours; an id < 0 (the embedding) is not read."""
@@ -169,6 +170,9 @@ def check_target(where: str, *, hidden_size: int, vocab_size: int, layers: tuple
         raise InteropError(f"{where}: hidden_size {hidden_size}, the target's is {tc.hidden_size}: a drafter for another target")
     if vocab_size != tc.vocab_size:
         raise InteropError(f"{where}: vocab_size {vocab_size}, the target's is {tc.vocab_size}: a drafter for another target")
+    if num_target_layers is not None and int(num_target_layers) != tc.num_layers:
+        raise InteropError(f"{where}: num_target_layers {num_target_layers}, the target has {tc.num_layers}: a drafter "
+                           "for another target")
     bad = [i for i in layers if not 0 <= i <= tc.num_layers - 2]
     if bad:
         raise InteropError(f"{where}: target layer ids {list(layers)} (as layer outputs) are out of range for a target of "

@@ -40,7 +40,8 @@ class DeepSpec:
                                       markov_rank=rank, markov_type=raw.get("markov_head_type", "vanilla"),
                                       confidence=bool(raw.get("enable_confidence_head")) and rank > 0,
                                       confidence_with_markov=raw.get("confidence_head_with_markov", True),
-                                      sample_from_anchor=True, target=target, where=where)
+                                      sample_from_anchor=True, target=target, where=where,
+                                      num_target_layers=raw.get("num_target_layers"))
         tensors = read_tensors(spec)
         block_layout.check_borrowed(tensors, target, where)
         return block_layout.drafter_from(tensors, cfg, target, where, confidence, costs)

@@ -11,8 +11,12 @@ are absent), `model.safetensors` without the target's embedding or LM head.
     dflash   -> our block drafter with markov_rank 0; `sample_from_anchor` default false (slot k
                 predicts start+k: W-1 drafts)
 
-A draft vocabulary (`draft_vocab_size` < vocab) is loaded for eagle3 only; `mtp` and the other
-types are refused by name. `specjax.target_sha256` (our exports write it) is checked against
+    mtp      -> our MTP drafter, for a dense Qwen3 / Qwen3-Next target: `mtp_layers.0.*` renamed
+                to the target checkpoint's `mtp.*` names (input_proj -> fc, token_layernorm ->
+                pre_fc_norm_embedding, hidden_layernorm -> pre_fc_norm_hidden, final_layernorm -> norm)
+
+A draft vocabulary (`draft_vocab_size` < vocab) is loaded for eagle3 only; other types (and MoE
+MTP layers) are refused by name. `specjax.target_sha256` (our exports write it) is checked against
 `target_path`.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import os
 
 from specjax.drafters.base import register
+from specjax.drafters.mtp import MTPDrafter, head_from_tensors
 from specjax.drafters.interop import block as block_layout
 from specjax.drafters.interop import eagle3 as eagle3_layout
 from specjax.drafters.interop.common import (CONFIG, InteropError, check_digest, layer_config, read_config,
@@ -76,7 +81,46 @@ def _block(kind):
     return load
 
 
-TYPES = {"eagle3": _eagle3, "dspark": _block("dspark"), "dflash": _block("dflash")}
+MTP_NAMES = {"input_proj": "fc", "token_layernorm": "pre_fc_norm_embedding", "hidden_layernorm": "pre_fc_norm_hidden",
+             "final_layernorm": "norm"}
+
+
+def _mtp(path, raw, target, where, confidence, costs):
+    """A Qwen3 / Qwen3-Next (dense) MTP head: the target family's own decoder layer after
+    fc([norm(embed(t+1)); norm(h_t)]), the target's shared head. The layer shapes are the target's;
+    the config is checked against it, the tensors by name and shape."""
+    if confidence not in (None, "off") or costs is not None:
+        raise InteropError(f"{where}: an MTP drafter takes no confidence cut (it is a block drafter's)")
+    layer = raw.get("transformer_layer_config") or {}
+    tc = target.config
+    mt = layer.get("model_type")
+    if mt != tc.model_type:
+        raise InteropError(f"{where}: transformer_layer_config.model_type {mt!r}, the target's is {tc.model_type!r}: "
+                           "an MTP layer is the target family's own")
+    for key, ours in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size)):
+        if key in layer and layer[key] != ours:
+            raise InteropError(f"{where}: {key} {layer[key]}, the target's is {ours}: a drafter for another target")
+    if layer.get("num_experts"):
+        raise InteropError(f"{where}: num_experts {layer['num_experts']}: MoE MTP layers are not built")
+    tensors = {}
+    for k, v in read_tensors(path).items():
+        if k.startswith("verifier_"):
+            continue
+        parts = k.split(".")
+        if parts[:2] != ["mtp_layers", "0"]:
+            raise InteropError(f"{where}: tensor {k!r}: one MTP layer (mtp_layers.0.*) is built")
+        rest = ".".join(parts[2:])
+        head, _, tail = rest.partition(".")
+        tensors[f"mtp.{MTP_NAMES[head]}.{tail}" if head in MTP_NAMES else f"mtp.layers.0.{rest}"] = v
+    try:
+        return MTPDrafter(head_from_tensors(tensors, tc, where), target)
+    except InteropError:
+        raise
+    except ValueError as e:
+        raise InteropError(str(e)) from None
+
+
+TYPES = {"eagle3": _eagle3, "dspark": _block("dspark"), "dflash": _block("dflash"), "mtp": _mtp}
 
 
 def _replace(cfg, where, **kw):

@@ -52,5 +52,6 @@ class ZLabDFlash:
         cfg = block_layout.config_for(layer, target_layers=ids, block_size=_draft_value(raw, "block_size", 16),
                                       mask_token_id=_draft_value(raw, "mask_token_id"), markov_rank=0,
                                       markov_type="vanilla", confidence=False, confidence_with_markov=True,
-                                      sample_from_anchor=False, target=target, where=where)
+                                      sample_from_anchor=False, target=target, where=where,
+                                      num_target_layers=raw.get("num_target_layers"))
         return block_layout.drafter_from(read_tensors(spec), cfg, target, where)
