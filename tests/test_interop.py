@@ -370,28 +370,34 @@ def test_export_feature_round_trip(target, target_dir, tmp_path):
     np.testing.assert_allclose(_ours_feature(back, target, tokens)[0][0], ours[0], atol=TOL, rtol=TOL)
 
 
-def test_export_dspark_round_trip(target, target_dir, tmp_path):
-    cfg = BlockConfig.for_target(target.config, block_size=B, num_layers=2, markov_rank=8, target_layers=(1, 3, 4),
-                                 mask_token_id=MASK)
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_export_block_round_trip(target, target_dir, tmp_path, kind):
+    rank = 8 if kind == "dspark" else 0
+    cfg = BlockConfig.for_target(target.config, block_size=B, num_layers=2, markov_rank=rank, target_layers=(1, 3, 4),
+                                 mask_token_id=MASK, confidence=rank > 0)
     head = BlockHead(cfg, nnx.Rngs(5))
-    head.markov_out.set_value(0.3 * jnp.asarray(np.random.default_rng(0).standard_normal((8, V)), jnp.float32))
-    head.confidence_w.set_value(0.3 * jnp.ones((E + 8,)))
+    if rank:
+        head.markov_out.set_value(0.3 * jnp.asarray(np.random.default_rng(0).standard_normal((8, V)), jnp.float32))
+        head.confidence_w.set_value(0.3 * jnp.ones((E + 8,)))
     save_block_head(head, str(tmp_path / "ours"), dtype=jnp.float32)
     out = export(str(tmp_path / "ours"), target_dir, str(tmp_path / "exported"), dtype="float32")
-    assert out["speculators_model_type"] == "dspark" and out["sample_from_anchor"] is True
+    assert out["speculators_model_type"] == kind and out["sample_from_anchor"] is True
     assert out["aux_hidden_state_layer_ids"] == AUX and out["mask_token_id"] == MASK
-    sc = DSparkSpeculatorConfig.from_pretrained(str(tmp_path / "exported"))
+    config_cls, model_cls = ((DSparkSpeculatorConfig, DSparkDraftModel) if rank else
+                             (DFlashSpeculatorConfig, DFlashDraftModel))
+    sc = config_cls.from_pretrained(str(tmp_path / "exported"))
     sc.transformer_layer_config._attn_implementation = "eager"
-    m = DSparkDraftModel(sc).float().eval()
+    m = model_cls(sc).float().eval()
     m.load_state_dict(_torch_tensors(tmp_path / "exported"), strict=False)
     with torch.no_grad():
         m.embed_tokens.weight.copy_(_embedding(target))
         m.lm_head.weight.copy_(torch.tensor(np.asarray(target.lm_head.weight[...].T, np.float32)))
     tokens, anchor = _inputs(8), 6
     tp, feats = _ours_block(BlockDrafter(head, target), target, tokens, anchor)
-    ref, conf = _speculators_block_reference(m, "dspark", tokens, feats, anchor, True)
-    np.testing.assert_allclose(np.asarray(tp.logits[0, 0]), ref, atol=TOL, rtol=TOL)
-    np.testing.assert_allclose(np.asarray(tp.conf[0, 0]), conf, atol=TOL, rtol=TOL)
+    ref, conf = _speculators_block_reference(m, kind, tokens, feats, anchor, True)
+    np.testing.assert_allclose(np.asarray(tp.logits[0, 0] if rank else tp.base[0, 0]), ref, atol=TOL, rtol=TOL)
+    if rank:
+        np.testing.assert_allclose(np.asarray(tp.conf[0, 0]), conf, atol=TOL, rtol=TOL)
     back = load_drafter(str(tmp_path / "exported"), target, target_path=target_dir)
     np.testing.assert_allclose(np.asarray(_ours_block(back, target, tokens, anchor)[0].logits), np.asarray(tp.logits),
                                atol=TOL, rtol=TOL)
