@@ -570,7 +570,7 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
     Bk.save_block_head(head, str(export_dir), backbone=backbone)
     if ranking is not None:  # the draft vocabulary's ids: the first draft_vocab of it
         vocab_lib.save_ranking(str(export_dir), ranking)
-    timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
+    timing = drafter_run.session_timing(run_dir)["sessions"]
     train_s = sum(t["train_step_s"] for t in timing)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len
     config = drafter_run.config_record(cfg)
@@ -578,7 +578,7 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
             "block_positions_trained": cfg.steps * cfg.batch_size * cfg.anchors * cfg.block_size,
             "timing": {"train_step_s": round(train_s, 1), "wall_s": round(sum(t["wall_s"] for t in timing), 1),
                        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "sessions": timing},
-            "final": record, "calibration": calibration}
+            "final": record, "calibration": calibration, "run_dir": drafter_run.repo_relative(run_dir)}
     if head.config.reads_state:  # ReaDy's ablation on the shipped weights: the reader on zeroed states
         info["final_zero_state"], _, _ = evaluate(eval_step, params, val, cfg.batch_size, zero_state=True)
     (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")

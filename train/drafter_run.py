@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
 from train import data, target_cache
-from train.lm import RunRefused, _resolve, load_streams_for
+from train.lm import RunRefused, _resolve, load_streams_for, repo_relative
 
 RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between sessions of one run
 
@@ -216,16 +216,19 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     mngr, state = checkpoints(run_dir, cfg.checkpoint_every, state)
     start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
-    t_last, n_tok = time.perf_counter(), 0
+    t_run = t_last = time.perf_counter()
+    n_tok, train_s = 0, 0.0
     record = None
     for step in range(start, stop):
         if cache is None:
             batch, cached = data.batch_at(train_tokens, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step), None
         else:
             batch, cached = cache.step_batch(step, cfg.batch_size, cfg.seed, mesh, states=False)
+        t0 = time.perf_counter()
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
                               cached)
         loss = float(m["loss"])
+        train_s += time.perf_counter() - t0
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}")
         n_tok += batch.size
@@ -244,11 +247,15 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
+    with (run_dir / "timing.jsonl").open("a") as f:  # per session: a resumed run adds a line
+        f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
+                            "wall_s": round(time.perf_counter() - t_run, 1)}) + "\n")
     if int(state["step"]) == cfg.steps and export_dir is not None:
         if record is None:
             record = evaluate(eval_step, state["params"], val, cfg.batch_size)
         save_head(state["params"], export_dir)
-        (export_dir / "train_info.json").write_text(json.dumps(train_info(cfg, ident, record), indent=2) + "\n")
+        info = {**train_info(cfg, ident, record), "timing": session_timing(run_dir), "run_dir": repo_relative(run_dir)}
+        (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
         print(f"exported {export_dir}")
     return state
 
@@ -278,6 +285,14 @@ def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int
     from specjax.drafters import vocab as vocab_lib
     ranking = vocab_lib.token_ranking(stream, load_model(str(target_dir)).config.vocab_size)
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])
+
+
+def session_timing(run_dir) -> dict:
+    """The run's time over its sessions (`timing.jsonl`: a line per session, a resumed run adds one)."""
+    f = Path(run_dir) / "timing.jsonl"
+    sessions = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+    return {"train_step_s": round(sum(t["train_step_s"] for t in sessions), 1),
+            "wall_s": round(sum(t["wall_s"] for t in sessions), 1), "sessions": sessions}
 
 
 def train_info(cfg, ident: dict, record: dict) -> dict:

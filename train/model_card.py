@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from train import corpus, eval_ppl
 from train.lm import _resolve
 from train.lm import REPO
 from train.lm import repo_relative as _rel
+from tools.harness import cpu_name
 
 
 def _corpus_lines(manifest: corpus.Manifest) -> list[str]:
@@ -134,7 +136,8 @@ def feature_card(model_dir: Path) -> tuple[str, dict]:
     agree = " / ".join(f"{a:.3f}" for a in final["val_agree"])
     steps_loss = " / ".join(f"{x:.3f}" for x in final["val_step_loss"])
     tokens = cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
-    command = (f"python -m train.feature --config configs/{name}.json --run-dir runs/{name} --export models/{name}")
+    run_dir = info.get("run_dir") or f"runs/{name}"
+    command = f"python -m train.feature --config configs/{name}.json --run-dir {run_dir} --export models/{name}"
     card = f"""# {name}
 
 EAGLE-3-style feature drafter for `{cfg['target']}` (`specjax/drafters/feature.py`): fuses the target's
@@ -158,7 +161,7 @@ distribution, on train-split windows of {cfg['seq_len']} tokens (a short-context
 | top-1 agreement with the target | {agree} |
 
 Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
-{_feature_extras(cfg)}
+{_feature_extras(cfg)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
 {_feature_prereqs(cfg)}{command}
@@ -202,6 +205,43 @@ The corpus's train split in the target's tokenization, plus the target's own con
 (`{cfg['extra_train']}`, `python -m train.continuations`): {what}{share}.
 """
     return out
+
+
+def _recipe_section(cfg: dict, info: dict, command: str) -> str:
+    """Issue 43's recipe where the run used it: the offline target cache (its stream's mix, the
+    positions it holds, the epochs the run made over it), the initialisation from the target, a
+    token MASK; and the CPU, the wall time and the exact command of the run."""
+    lines = []
+    if cfg.get("cache"):
+        mpath = _resolve(cfg["cache"]) / "manifest.json"
+        trained = info.get("tokens_trained") or cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
+        if mpath.exists():
+            m = json.loads(mpath.read_text())
+            held = m["windows"] * m["seq_len"]
+            mix = m.get("mix") or {}
+            share = (f"; {mix['extra_share']:.0%} of the stream is the target's own continuations (`{mix['extra']}`, "
+                     f"{mix['extra_tokens']:,} tokens × {mix.get('extra_repeat', 1)}) interleaved window by window with "
+                     f"the corpus's first {mix['corpus_tokens']:,} train tokens") if mix.get("extra") else ""
+            lines.append(f"Offline target cache `{cfg['cache']}` (`python -m train.target_cache`): {m['windows']:,} windows × "
+                         f"{m['seq_len']} = {held:,} positions, the target's layers {m['layers']} and top-{m['topk']} "
+                         f"log-probabilities, built once in {m['seconds'] / 60:.1f} min{share}. The run read "
+                         f"{trained:,} positions from it: {trained / held:.1f} epochs.")
+        else:
+            lines.append(f"Offline target cache `{cfg['cache']}` (not on this machine: its manifest is not recorded here).")
+    if cfg.get("init_from_target"):
+        lines.append("Initialised from the target (`init_from_target`): the decoder layers from the target's top "
+                     "layers, `fc` passing the last read layer's feature through.")
+    if cfg.get("mask_token_id") is not None:
+        lines.append(f"MASK slots are the target's embedding of token {cfg['mask_token_id']} (`mask_token_id`, as the "
+                     "published DSpark / DFlash layouts: the drafter exports to vLLM's speculators format exactly).")
+    timing = info.get("timing") or {}
+    if timing:
+        sessions = len(timing.get("sessions", [])) or 1
+        lines.append(f"Wall time {timing.get('wall_s', 0) / 60:.1f} min over {sessions} session(s) "
+                     f"({timing.get('train_step_s', 0) / 60:.1f} min in training steps) on {cpu_name()}, "
+                     f"{os.cpu_count()} cores.")
+    lines.append(f"Command: `{command}`.")
+    return "\n## Recipe\n" + "\n".join(lines) + "\n"
 
 
 def _feature_prereqs(cfg: dict) -> str:
@@ -297,7 +337,8 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
                      "(no confidence term: its head is the backbone's)")
     tf_label = ("agreement, previous token teacher-forced (TreeFlash rows)" if cfg.get("freeze_backbone")
                 else "agreement, Markov input teacher-forced")
-    command = f"python -m train.block --config configs/{name}.json --run-dir runs/{name} --export models/{model_dir.name}"
+    run_dir = info.get("run_dir") or f"runs/{name}"
+    command = f"python -m train.block --config configs/{name}.json --run-dir {run_dir} --export models/{model_dir.name}"
     cal_file = model_dir / "path_calibration.json"
     calib_cmd = "\n" + json.loads(cal_file.read_text())["command"] if cal_file.exists() else ""
     reader_text = _reader_section(dcfg, cfg, info, fmt) if dcfg.get("state_layers") else ""
@@ -342,7 +383,7 @@ conditioned on the data, not on the draft; `tools/bench.py` measures the real τ
 | ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
 
 Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
-{reader_text}{calib_text}{_feature_extras(cfg, block=True)}
+{reader_text}{calib_text}{_feature_extras(cfg, block=True)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
 {_feature_prereqs(cfg)}{command}{calib_cmd}
