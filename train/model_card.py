@@ -226,6 +226,7 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
                          f"{m['seq_len']} = {held:,} positions, the target's layers {m['layers']} and top-{m['topk']} "
                          f"log-probabilities, built once in {m['seconds'] / 60:.1f} min{share}. The run read "
                          f"{trained:,} positions from it: {trained / held:.1f} epochs.")
+            lines.append("Built with: `" + _cache_commands(cfg, m) + "`.")
         else:
             lines.append(f"Offline target cache `{cfg['cache']}` (not on this machine: its manifest is not recorded here).")
     if cfg.get("init_from_target"):
@@ -242,6 +243,25 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
                      f"{os.cpu_count()} cores.")
     lines.append(f"Command: `{command}`.")
     return "\n## Recipe\n" + "\n".join(lines) + "\n"
+
+
+def _cache_commands(cfg: dict, m: dict) -> str:
+    """The commands that made a cache, from its manifest (and its continuations' summary)."""
+    mix = m.get("mix") or {}
+    cmds = []
+    summary = _resolve(mix["extra"]).with_suffix(".json") if mix.get("extra") else None
+    if summary is not None and summary.exists():
+        s = json.loads(summary.read_text())
+        cmds.append(f"python -m train.continuations --target {cfg['target']} --out {mix['extra']} --code {s['code_prompts']} "
+                    f"--chat {s['chat_prompts']} --new-tokens {s['new_tokens']}"
+                    + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else ""))
+    cache = (f"python -m train.target_cache --target {cfg['target']} --layers {','.join(map(str, m['layers']))} "
+             f"--out {cfg['cache']} --windows {m['windows']}")
+    if mix.get("extra"):
+        cache += f" --corpus-tokens {mix['corpus_tokens']} --extra {mix['extra']} --extra-repeat {mix.get('extra_repeat', 1)}"
+    if m.get("state_layers"):
+        cache += f" --state-layers {','.join(map(str, m['state_layers']))} --state-every {m['state_every']}"
+    return "` then `".join(cmds + [cache])
 
 
 def _feature_prereqs(cfg: dict) -> str:
