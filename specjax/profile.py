@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 
 TOOL = "python -m tools.profile_widths"
 
@@ -86,3 +87,16 @@ def costs_at_widths(profile: dict, batch: int, widths) -> tuple[float, ...]:
 def default_profile_name(target_path: str) -> str:
     """`verify_profile_<target dir name>.json`."""
     return f"verify_profile_{os.path.basename(os.path.normpath(target_path))}.json"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's 'model name', else platform.processor()): recorded with
+    every profile, bench and model card (the same bench differs by up to 1.5x between CPUs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

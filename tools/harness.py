@@ -34,22 +34,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from specjax.profile import cpu_name  # noqa: F401 - re-exported: the tools record it with every result
+
 REPO = Path(__file__).resolve().parents[1]
 NEAR_TIE = 1e-4  # a greedy divergence is an honest near-tie where the target's top-2 logits are this close
 
 
 # ----------------------------------------------------------------------------- what a run records
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo's 'model name', else platform.processor())."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def tool_command(tool: str, argv: Sequence[str] | None = None) -> str:

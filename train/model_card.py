@@ -29,7 +29,7 @@ from train import corpus, eval_ppl
 from train.lm import _resolve
 from train.lm import REPO
 from train.lm import repo_relative as _rel
-from tools.harness import cpu_name
+from specjax.profile import cpu_name
 
 
 def _corpus_lines(manifest: corpus.Manifest) -> list[str]:
