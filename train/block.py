@@ -59,7 +59,7 @@ from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
 from train import calibration as calib, data, drafter_run, target_cache
-from train.lm import REPO, _resolve, load_streams_for
+from train.lm import REPO, _resolve, load_streams_for, repo_relative
 
 @dataclasses.dataclass(frozen=True)
 class BlockTrainConfig:
@@ -578,7 +578,7 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
             "block_positions_trained": cfg.steps * cfg.batch_size * cfg.anchors * cfg.block_size,
             "timing": {"train_step_s": round(train_s, 1), "wall_s": round(sum(t["wall_s"] for t in timing), 1),
                        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "sessions": timing},
-            "final": record, "calibration": calibration, "run_dir": drafter_run.repo_relative(run_dir)}
+            "final": record, "calibration": calibration, "run_dir": repo_relative(run_dir)}
     if head.config.reads_state:  # ReaDy's ablation on the shipped weights: the reader on zeroed states
         info["final_zero_state"], _, _ = evaluate(eval_step, params, val, cfg.batch_size, zero_state=True)
     (export_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
