@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from specjax.checkpoint_gguf import build_tokenizer, read_gguf, read_metadata
 from specjax.models.config import HybridConfig, ModelConfig, read_config
+from specjax.models import quant
 from specjax.models.hybrid import HybridModel
 from specjax.models.transformer import Model
 
@@ -182,18 +183,25 @@ def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
     return np.asarray(t).astype(np.float32)
 
 
-def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
+def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32") -> Model | HybridModel:
     """Loads a Llama / Qwen2 / Qwen3 (`Model`) or a dense-MLP Qwen3-Next (`HybridModel`)
     checkpoint in Hugging Face format (no torch needed), or a Llama / Qwen2 / Qwen3 GGUF file
     (`path` ending in .gguf: dequantized to `dtype`, see `specjax.checkpoint_gguf`).
 
+    `weights`: the projections' storage dtype, "float32" (as stored), "bfloat16" or "int8" (one
+    scale per output channel); activations stay in `dtype` (`specjax.models.quant`). Not
+    bit-exact with float32: compare a speculative run with AR at the same `weights`.
+
     Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
     """
+    quant.check_weights(weights)
+    if weights != "float32" and jnp.dtype(dtype) != jnp.float32:
+        raise ValueError(f"weights={weights!r} needs dtype float32 activations, not {jnp.dtype(dtype).name}")
     if str(path).endswith(".gguf"):
         ckpt = read_gguf(str(path))
         cfg = ModelConfig.from_hf(ckpt.config, source=str(path), dtype=dtype)
-        return _model_from_tensors(cfg, ckpt.tensors, str(path), dtype)
+        return quant.quantize(_model_from_tensors(cfg, ckpt.tensors, str(path), dtype), weights)
     cfg = read_config(path, dtype=dtype)
     model = _model_from_tensors(cfg, _read_tensors(path), os.path.join(path, "model.safetensors"), dtype)
     tok_file = os.path.join(path, "tokenizer.json")
@@ -202,7 +210,7 @@ def load_model(path: str, *, dtype=jnp.float32) -> Model | HybridModel:
         if tok.get_vocab_size() > cfg.vocab_size:
             raise ValueError(f"{tok_file}: tokenizer has {tok.get_vocab_size()} tokens but the model's "
                              f"vocabulary is {cfg.vocab_size}")
-    return model
+    return quant.quantize(model, weights)
 
 
 def _model_from_tensors(cfg, tensors: dict, where: str, dtype) -> Model | HybridModel:

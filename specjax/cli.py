@@ -64,6 +64,10 @@ class UsageError(Exception):
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="model directory in Hugging Face format (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--weights", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="the model's weight storage (default float32, as stored; int8: one scale per output "
+                        "channel). Activations stay float32. Not bit-exact with float32; the speculative "
+                        "output equals AR at the same --weights")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt")
     src.add_argument("--prompt-file", metavar="FILE.jsonl",
@@ -285,7 +289,7 @@ def run_generate(args: argparse.Namespace) -> int:
     compile_cache(args)  # before the first compile (loading compiles small programs too)
 
     try:
-        model = specjax.load_model(args.model)
+        model = specjax.load_model(args.model, weights=args.weights)
         tokenizer = specjax.load_tokenizer(args.model)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load the model: {e}") from None

@@ -166,3 +166,32 @@ def test_harness_schema_read_by_report(tmp_path):
     assert "### bench_spec_x.json" in (tmp_path / "doc.md").read_text()
     readme.write_text(text.replace("1.50x", "1.60x"))
     assert report.main(args + ["--check"]) == 1
+
+
+def test_bench_weights_and_peers_table_smoke(tmp_path):
+    """python -m tools.bench_weights --smoke (float32 and int8 of the smoke target), then
+    python -m tools.peers_table on it and a made-up bench file (no compilation)."""
+    from tools import bench_weights, peers_table
+    out = tmp_path / "weights"
+    assert bench_weights.main(["--smoke", "--weights", "float32,int8", "--widths", "1,2", "--batch", "1",
+                               "--prompts", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    f32, i8 = data["rows"]
+    assert (f32["weights"], i8["weights"]) == ("float32", "int8")
+    assert i8["weight_mb_per_token"] < 0.4 * f32["weight_mb_per_token"]
+    assert f32["agree_tf_code"] == 1.0 and f32["identical_chat"] == 1.0 and 0 <= i8["agree_tf_chat"] <= 1
+    assert set(f32["forward_ratio_b1"]) == {"1", "2"} and f32["forward_ratio_b1"]["1"] == 1.0
+    meta = {"kind": "functions", "batch": 1, "weights": "float32"}
+    rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0, "temperature": 0.0},
+            {"method": "ngram chain=6", "tokens_per_s": 15.0, "tau": 2.0, "temperature": 0.0},
+            {"method": "hf ar", "tokens_per_s": 5.0},
+            {"method": "llama.cpp ar (Q4_1 weights)", "unsupported": "exit status -11"}]
+    (tmp_path / "b.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    (tmp_path / "b8.json").write_text(json.dumps({"meta": {**meta, "weights": "int8"}, "rows": [
+        {"method": "ar", "tokens_per_s": 12.0, "tau": 1.0, "temperature": 0.0}]}))
+    assert peers_table.main(["--bench", str(tmp_path / "b.json"), str(tmp_path / "b8.json"),
+                             "--weights-bench", str(out.with_suffix(".json")), "--out", str(tmp_path / "peers")]) == 0
+    table = {r["row"]: r for r in json.loads((tmp_path / "peers.json").read_text())["rows"]}
+    assert table["our AR (int8)"]["vs_f32_ar"] == 1.2
+    assert table["our n-gram (float32): ngram chain=6"]["weight_mb_per_token"] == f32["weight_mb_per_token"] / 2
+    assert table["hf ar"]["tau"] == 1.0 and table["llama.cpp ar (Q4_1 weights)"]["unsupported"]

@@ -315,7 +315,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
 def zoo_setup(args):
     from specjax.checkpoint import load_tokenizer
     from train import prompts as prompt_sets
-    target = specjax.load_model(args.target)
+    target = specjax.load_model(args.target, weights=args.weights)
     tok = load_tokenizer(args.target)
     drafters = {}
     if args.draft and os.path.isdir(args.draft):
@@ -390,10 +390,15 @@ def plot_rows(plt, rows, meta):
     return fig
 
 
+def _weights_phrase(meta) -> str:
+    w = meta.get("weights", "float32")
+    return "float32" if w == "float32" else f"target weights {w} (activations float32)"
+
+
 def write_bench_outputs(rows, meta, out: Path) -> Path:
     """bench/<out>.md, .json and .png through the harness (`tools.harness.write_outputs`)."""
     intro = [f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
-             f"median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
+             f"median of {meta['repeats']} repeats after a warm-up; {_weights_phrase(meta)} on {meta['device']}; "
              f"load average {meta['load_avg']:.2f}."]
     notes = ["Draft ms / round: the drafter's propose + commit alone, jitted (16 in one `fori_loop` on the state "
              "after a prefill of the first batch and one round; median after a warm-up). Mean verify width: tree "
@@ -491,6 +496,9 @@ def main(argv=None):
     ap.add_argument("--llama-cpp", default=None, metavar="FILE.gguf",
                     help="also llama.cpp (llama-cpp-python) on this GGUF: greedy and prompt lookup, batch 1, speed only")
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads of the --hf rows (default 1)")
+    ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="the target's weight storage (load_model(weights=...)); every row, AR included, runs at it, "
+                         "so the greedy check compares with AR at the same dtype")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -619,7 +627,7 @@ def main(argv=None):
     meta = run_meta("bench", argv, setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
                     kind="random" if args.smoke else args.kind, n_prompts=len(flat), new_tokens=args.new_tokens,
                     batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
-                    dspark_threshold=args.dspark_threshold)
+                    dspark_threshold=args.dspark_threshold, weights=args.weights)
     md = write_bench_outputs(rows, meta, Path(args.out))
     Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from specjax.models import quant
 
 RANKING_FILE = "token_ranking.safetensors"
 
@@ -64,9 +65,13 @@ def draft_ids_or_none(path: str, vocab_size: int, n: int | None) -> np.ndarray |
 def head_rows(target, ids) -> jnp.ndarray:
     """The target LM head's rows for `ids`: [N, E] (the head is h @ rows.T on them)."""
     ids = jnp.asarray(ids)
+    dtype = target.config.dtype
     if target.lm_head is None:  # tied: the embedding
-        return jnp.take(target.embed_tokens[...], ids, axis=0)
-    return jnp.take(target.lm_head.weight[...], ids, axis=1).T
+        scale = None if target.embed_scale is None else target.embed_scale[...]
+        return quant.rows(target.embed_tokens[...], scale, ids, dtype)
+    head = target.lm_head  # [E, V]: its columns, with their channel scales
+    scale = None if head.scale is None else head.scale[...]
+    return quant.rows(head.weight[...].T, scale, ids, dtype)
 
 
 def widen(sub_xN, ids_N, vocab_size: int):

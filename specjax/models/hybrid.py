@@ -139,6 +139,7 @@ class HybridModel(nnx.Module):
         self.layers = nnx.List([HybridLayer(cfg, t, rngs) for t in cfg.layer_types])
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs, dtype=cfg.dtype)
+        self.embed_scale = nnx.data(None)  # as `transformer.Model`'s
 
 
 def init_model(cfg: HybridConfig, seed: int = 0) -> HybridModel:

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import attention as attention_lib, kvcache
 from specjax.kvcache import KVCache
+from specjax.models import quant
 from specjax.models.config import ModelConfig
 from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
 
@@ -52,6 +53,7 @@ class Linear(nnx.Module):
         std = 1.0 / math.sqrt(d_in)
         self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.scale = nnx.data(None)  # [out] float32 when `weight` is int8 (`specjax.models.quant`)
 
 
 class Attention(nnx.Module):
@@ -92,6 +94,7 @@ class Model(nnx.Module):
         self.layers = nnx.List([Layer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs, dtype=cfg.dtype)
+        self.embed_scale = nnx.data(None)  # [V] float32 when `embed_tokens` is int8 (`specjax.models.quant`)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
@@ -112,7 +115,7 @@ def rms_norm(norm: RMSNorm, x):
 
 
 def linear(lin: Linear, x):
-    y = x @ lin.weight[...]
+    y = quant.matmul(x, lin.weight[...], None if lin.scale is None else lin.scale[...])
     return y if lin.bias is None else y + lin.bias[...]
 
 
@@ -175,13 +178,19 @@ class ForwardOutput:
 
 
 def embed(model: Model, tokens_BxT: Tokens):
-    return model.embed_tokens[...][tokens_BxT]
+    if model.embed_scale is None and model.embed_tokens[...].dtype == model.config.dtype:
+        return model.embed_tokens[...][tokens_BxT]
+    return quant.rows(model.embed_tokens[...], _scale(model.embed_scale), tokens_BxT, model.config.dtype)
 
 
 def lm_head(model: Model, h_BxTxE) -> Logits:
     if model.lm_head is None:
-        return (h_BxTxE @ model.embed_tokens[...].T).astype(jnp.float32)
+        return quant.matmul(h_BxTxE, model.embed_tokens[...], _scale(model.embed_scale), transposed=True).astype(jnp.float32)
     return linear(model.lm_head, h_BxTxE).astype(jnp.float32)
+
+
+def _scale(param):
+    return None if param is None else param[...]
 
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
