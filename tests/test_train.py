@@ -469,6 +469,22 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     thead = nnx.merge(head_def, tinit()["params"])  # the feature half of q from the target's top layer
     np.testing.assert_array_equal(np.asarray(thead.q_proj.weight[...])[32:], np.asarray(top.self_attn.q_proj.weight[...]))
     assert not np.asarray(thead.q_proj.weight[...])[:32].any()
+    # the MTP trainer reads the target's last layer, a subset of the stored ones: the online loss at step 0
+    from train import mtp
+    mcfg = mtp.MTPTrainConfig(name="tiny-mtp-cache", target=target_dir, ttt_steps=2, seq_len=32, batch_size=4, steps=2,
+                              eval_every=2, eval_tokens=128, manifest=str(zoo["manifest"]), corpus_root=str(zoo["root"]),
+                              init_from_target=True)
+    _, mhead_def, _, _, minit = mtp._fns(mcfg, target_dir)
+    mhead = nnx.merge(mhead_def, minit()["params"])  # the MTP layer is the target's top layer; fc passes h through
+    np.testing.assert_array_equal(np.asarray(mhead.layers[0].self_attn.q_proj.weight[...]), np.asarray(top.self_attn.q_proj.weight[...]))
+    np.testing.assert_array_equal(np.asarray(mhead.fc.weight[...])[32:], np.eye(32))
+    sub = target_cache.TargetCache(out, target_dir, (1,)).batch([0, 9])
+    np.testing.assert_array_equal(np.asarray(sub["features"]), np.asarray(b["features"])[..., 32:])
+    mcached = {k: jnp.asarray(v) for k, v in sub.items() if k != "tokens" and v is not None}
+    m_online = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps)[0]
+    m_offline = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps, cached=mcached)[0]
+    np.testing.assert_allclose(float(m_offline), float(m_online), rtol=2e-2)
+    assert int(mtp.train(dataclasses.replace(mcfg, cache=str(out)), zoo["base"] / "mtp-cache", progress=False)["step"]) == 2
     cfg = dataclasses.replace(cfg, cache=str(out), steps=4, eval_every=4)
     state = block.train(cfg, zoo["base"] / "blk-cache", zoo["base"] / "blk-cache-export", progress=False)
     assert int(state["step"]) == 4

@@ -188,12 +188,13 @@ def unrolled_steps(cfg, loss_of, init_params, rules):
 
 
 def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
-                 overwrite=False, progress=True, mesh=None):
+                 overwrite=False, progress=True, mesh=None, cache_layers=None):
     """The training loop of a drafter trained with `unrolled_loss` (feature, MTP): resumable (orbax,
     same data order), validation records to metrics.jsonl, and at the last step the export:
     `save_head(params, export_dir)` + `train_info.json`. `train_step(state, tokens) -> (state, metrics)`,
     `eval_step(params, tokens) -> (loss, per-step loss, agreement)`, `init() -> state`; `rules`: the
-    head's layout on `mesh`."""
+    head's layout on `mesh`; `cache_layers`: the target layers it reads from a cache (default
+    `cfg.target_layers`)."""
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
@@ -208,7 +209,8 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
 
     cache = None
     if getattr(cfg, "cache", None):  # the offline target cache (train.target_cache) of the drafter's layers
-        cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), tuple(cfg.target_layers or ()) or None)
+        layers = cache_layers if cache_layers is not None else tuple(cfg.target_layers or ()) or None
+        cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), layers)
         if cache.manifest["seq_len"] != cfg.seq_len:
             raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
 

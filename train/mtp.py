@@ -31,7 +31,7 @@ from flax import nnx
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
-from train import drafter_run
+from train import drafter_run, target_cache
 from train.lm import REPO, _resolve, load_streams_for
 
 LOSSES = ("distill", "tokens")
@@ -60,8 +60,15 @@ class MTPTrainConfig:
     manifest: str = "train/manifest.json"
     corpus_root: str | None = None  # None: this interpreter's stdlib
     max_files: int | None = None  # per split (tests)
+    # An offline target cache holding the target's last layer (`train.target_cache`, a superset of layers
+    # is fine): steps read h and the target's top-k from it instead of running the target. None: online.
+    cache: str | None = None
+    # Start the MTP layers from the target's top attention layer, fc passing h through (`start_from_target`).
+    init_from_target: bool = False
 
     def __post_init__(self):
+        if self.loss == "tokens" and self.cache:
+            raise ValueError('loss "tokens" reads the data\'s tokens; with a cache use loss "distill"')
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r}: expected one of {LOSSES}")
         if self.num_layers < 1 or self.ttt_steps < 1:
@@ -72,16 +79,39 @@ def load_config(path) -> MTPTrainConfig:
     return drafter_run.load_config(MTPTrainConfig, path)
 
 
-def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss: str = "distill"):
-    """(weighted loss, (per-step loss [K], per-step top-1 agreement with the target [K]))."""
+def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss: str = "distill",
+             cached: dict | None = None):
+    """(weighted loss, (per-step loss [K], per-step top-1 agreement with the target [K])). `cached`: the
+    batch's offline target cache (the last layer's output, the top-k), in place of the target's pass."""
     B, T = tokens_BxT.shape
-    fam = family(target)
-    out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
-                      transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
-    h = jax.lax.stop_gradient(M.target_hidden(target, out.hidden[0]))
+    if cached is None:
+        fam = family(target)
+        out = fam.forward(target, tokens_BxT, jnp.broadcast_to(jnp.arange(T)[None], (B, T)), fam.init_cache(target, B, T),
+                          transformer.causal_mask(B, T), hidden_layers=head.config.target_layers)
+        feats, t_logits = out.hidden[0], out.logits
+    else:
+        feats = cached["features"].astype(head.fc.weight.dtype)
+        t_logits = target_cache.dense_logits(cached["topk_ids"], cached["topk_logp"], head.config.vocab_size)
+    h = jax.lax.stop_gradient(M.target_hidden(target, feats))
     logits = M.ttt_logits(head, target, tokens_BxT, h, steps)  # [K, B, T, V]
-    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(out.logits), decay,
+    return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay,
                                      tokens_BxT if loss == "tokens" else None)
+
+
+def start_from_target(head: M.MTPHead, target) -> None:
+    """Issue 43's initialisation: every MTP layer a copy of the target's top attention layer (a
+    hybrid's last full-attention layer), the final norm the target's, and `fc` passing h through
+    (its embedding half zero), so step 0 runs the target's top layer once more over h."""
+    src = next((layer for layer in reversed(list(target.layers)) if getattr(layer, "self_attn", None) is not None), None)
+    if src is None:
+        raise ValueError("init_from_target: the target has no attention layer to copy")
+    dt = head.fc.weight.dtype
+    copy = lambda x: jnp.array(x, dt)  # noqa: E731  (a copy: the training state is donated)
+    for layer in head.layers:
+        nnx.update(layer, jax.tree.map(copy, nnx.state(src, nnx.Param)))
+    head.norm.weight.set_value(copy(target.norm.weight.get_value()))
+    E = head.config.hidden_size
+    head.fc.weight.set_value(jnp.zeros((2 * E, E), dt).at[E:].set(jnp.eye(E, dtype=dt)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -91,12 +121,15 @@ def _fns(cfg: MTPTrainConfig, target_dir: str):
     head_def = nnx.graphdef(nnx.eval_shape(lambda: M.MTPHead(hcfg, target.config, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
 
-    def loss_of(params, tokens):
+    def loss_of(params, tokens, cached=None):
         return mtp_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, cfg.depth_decay,
-                        cfg.ttt_steps, cfg.loss)
+                        cfg.ttt_steps, cfg.loss, cached)
 
     def init_params():
-        return nnx.state(M.MTPHead(hcfg, target.config, nnx.Rngs(cfg.seed)), nnx.Param)
+        head = M.MTPHead(hcfg, target.config, nnx.Rngs(cfg.seed))
+        if cfg.init_from_target:
+            start_from_target(head, target)
+        return nnx.state(head, nnx.Param)
 
     return target, head_def, *drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
 
@@ -116,14 +149,15 @@ RULES = M.MTPDrafter.partition_rules  # the module's layout on a mesh: its layer
 @drafter_run.on_mesh
 def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
     """Trains (or resumes) the module; exports when finished. `mesh`: as `train.feature`'s."""
-    _, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
+    target, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
 
     def save(params, d):
         M.save_mtp_head(nnx.merge(head_def, params), str(d))
         vocab.save_ranking(str(d), training_ranking(cfg, run_dir))
 
     return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
-                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
+                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh,
+                                    cache_layers=(target.config.num_layers - 1,))
 
 
 def main(argv=None):

@@ -178,8 +178,11 @@ class TargetCache:
                              "run python -m train.target_cache again with the same arguments")
         if target_dir is not None and weights_sha256(target_dir) != m["target_sha256"]:
             raise ValueError(f"{self.path}: built from other target weights than {target_dir}")
-        if layers is not None and tuple(layers) != tuple(m["layers"]):
+        if layers is not None and not set(layers) <= set(m["layers"]):
             raise ValueError(f"{self.path}: holds target layers {m['layers']}, the drafter reads {tuple(layers)}")
+        # The drafter's layers, in its order, as indices into the cache's (None: all, as stored).
+        self.select = (None if layers is None or tuple(layers) == tuple(m["layers"])
+                       else [list(m["layers"]).index(i) for i in layers])
         self.manifest = m
         self.shards = []
         for s in range(m["shards"]):
@@ -200,8 +203,13 @@ class TargetCache:
         states [L_s, B, G, H, dk, dv] bf16 or None} for windows `idx`."""
         rows = [(int(i) // self.per, int(i) % self.per) for i in idx]
         get = lambda k: [self.shards[s][k][r] for s, r in rows]  # noqa: E731
+        feats = np.stack(get("features")).view(ml_dtypes.bfloat16)
+        if self.select is not None:  # the drafter reads some of the stored layers: [B, T, L*E] -> [B, T, L'*E]
+            B, T, F = feats.shape
+            L = len(self.manifest["layers"])
+            feats = feats.reshape(B, T, L, F // L)[:, :, self.select].reshape(B, T, -1)
         out = {"tokens": np.stack(get("tokens")),
-               "features": np.stack(get("features")).view(ml_dtypes.bfloat16),
+               "features": feats,
                "topk_ids": np.stack(get("topk_ids")),
                "topk_logp": np.stack(get("topk_logp")).astype(np.float32), "states": None}
         if self.shards[0]["states"] is not None:
