@@ -102,19 +102,15 @@ def quantize(model, weights: str):
     if weight_dtype(model) != "float32":
         raise ValueError(f"quantize: the model's weights are already {weight_dtype(model)}; load it again "
                          "in float32 to convert to another dtype")
+
+    def convert(w, axis):  # (stored weight, its scale or None)
+        return quantize_int8(w, axis) if weights == "int8" else (w.astype(jnp.bfloat16), None)
+
     for _, node in list(nnx.iter_graph(model)):
         if isinstance(node, nnx.Module) and hasattr(node, "scale") and hasattr(node, "weight") \
                 and node.weight is not None and node.weight[...].ndim == 2:
-            w = node.weight[...]
-            if weights == "int8":
-                q, s = quantize_int8(w, axis=1)
-                node.weight, node.scale = nnx.Param(q), nnx.Param(s)
-            else:
-                node.weight = nnx.Param(w.astype(jnp.bfloat16))
-    e = model.embed_tokens[...]
-    if weights == "int8":
-        q, s = quantize_int8(e, axis=0)
-        model.embed_tokens, model.embed_scale = nnx.Param(q), nnx.Param(s)
-    else:
-        model.embed_tokens = nnx.Param(e.astype(jnp.bfloat16))
+            w, scale = convert(node.weight[...], axis=1)
+            node.weight, node.scale = nnx.Param(w), None if scale is None else nnx.Param(scale)
+    e, scale = convert(model.embed_tokens[...], axis=0)
+    model.embed_tokens, model.embed_scale = nnx.Param(e), None if scale is None else nnx.Param(scale)
     return model
