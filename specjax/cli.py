@@ -66,8 +66,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="model directory in Hugging Face format (config.json, model.safetensors, tokenizer.json)")
     p.add_argument("--weights", choices=("float32", "bfloat16", "int8"), default="float32",
                    help="the model's weight storage (default float32, as stored; int8: one scale per output "
-                        "channel). Activations stay float32. Not bit-exact with float32; the speculative "
-                        "output equals AR at the same --weights")
+                        "channel). Activations stay float32. Not bit-exact with float32; a bf16 / int8 "
+                        "speculative run can still diverge from AR at the same --weights (docs/design.md §17)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt")
     src.add_argument("--prompt-file", metavar="FILE.jsonl",

@@ -39,9 +39,11 @@ def test_int8_matmul_is_row_invariant_and_close():
     assert np.max(np.abs(np.asarray(y8) - ref)) < 0.03 * np.max(np.abs(ref))
     qt, st = quant.quantize_int8(w.T, axis=0)  # the tied head's layout: [V, E] rows
     np.testing.assert_array_equal(np.asarray(quant.matmul(x, qt, st, transposed=True)), np.asarray(y8))
-    yb = quant.matmul(x[:1], w.astype(jnp.bfloat16))
-    assert yb.dtype == jnp.float32 and yb.shape == (1, 40)
-    assert np.max(np.abs(np.asarray(yb) - ref[:1])) < 0.02 * np.max(np.abs(ref))
+    wb = w.astype(jnp.bfloat16)
+    yb = quant.matmul(x, wb)
+    assert yb.dtype == jnp.float32 and np.max(np.abs(np.asarray(yb) - ref)) < 0.02 * np.max(np.abs(ref))
+    for n in (1, 2, 5):  # bf16 too (one and two rows are padded to MIN_ROWS: XLA:CPU's two-row kernel sums differently)
+        np.testing.assert_array_equal(np.asarray(quant.matmul(x[:n], wb)), np.asarray(yb[:n]))
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
@@ -59,7 +61,7 @@ def test_quantized_target_close_to_float32(weights):
         quant.quantize(q, "int8")
 
 
-@pytest.mark.parametrize("tree", ["chain=4", "depth=3,topk=2,nodes=8"])
+@pytest.mark.parametrize("tree", ["depth=3,topk=2,nodes=8"])
 def test_int8_speculative_equals_int8_ar(tree):
     target = _quantized(tiny_target(VOCAB), "int8")
     rng = np.random.default_rng(3)

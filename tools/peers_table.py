@@ -80,7 +80,8 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
                         "tau": tau, "vs_f32_ar": None if tps is None or setting not in f32_ar else tps / f32_ar[setting],
                         "weight_mb_per_token": per_tok, "memory_bound_tokens_per_s": limit,
                         "share_of_limit": None if (limit is None or tps is None) else tps / limit,
-                        "unsupported": r.get("unsupported"), "source": os.path.relpath(run["file"], REPO)})
+                        "check": r.get("check"), "unsupported": r.get("unsupported"),
+                        "source": os.path.relpath(run["file"], REPO)})
     return out
 
 
@@ -108,7 +109,9 @@ def main(argv=None) -> int:
             Column("tau", _fmt("tau", "{:.2f}")), Column("vs our float32 AR", _fmt("vs_f32_ar", "{:.2f}x")),
             Column("weight MB read / token", _fmt("weight_mb_per_token", "{:.1f}")),
             Column("memory-bound limit tok/s", _fmt("memory_bound_tokens_per_s", "{:.0f}")),
-            Column("share of the limit", lambda r: None if r["share_of_limit"] is None else f"{100 * r['share_of_limit']:.0f}%")]
+            Column("share of the limit", lambda r: None if r["share_of_limit"] is None else f"{100 * r['share_of_limit']:.0f}%"),
+            Column("greedy check vs AR at its dtype (exact / near-tie / mismatch)",
+                   lambda r: None if not r["check"] else f"{r['check']['exact']} / {r['check']['near_tie']} / {r['check']['mismatch']}")]
     meta = run_meta("peers_table", argv, stream_bandwidth_gb_s=wb["meta"].get("stream_bandwidth_gb_s"),
                     sources=sorted({r["source"] for r in rows}), weights_bench=os.path.relpath(args.weights_bench, REPO))
     bw = meta["stream_bandwidth_gb_s"]

@@ -10,13 +10,17 @@ The matmuls (design §17):
 - int8: `x` is quantised per row (symmetric absmax / 127), the dot accumulates in int32 and
   the result is rescaled by the row's scale times the weight's channel scale. An integer sum
   does not depend on the order it is taken in. So a row's output is bit-identical however many
-  rows share the call: a tree's node and the same token decoded alone see the same logits. That
-  matters for a speculative loop that must equal its own AR loop token for token.
+  rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
+  whether it is enough on a real target is still open (design §17). (bfloat16 gets the matmul's property from the padding below, on XLA:CPU with
+  oneDNN; `tests/test_quant.py` checks it.)
 
 XLA:CPU runs a one-row dot in bfloat16 / int8 through a generic matrix-vector path about 8x slower
 than its float32 one, and any dot of two rows or more through oneDNN (AMX / AVX-512 where the CPU
-has them; bench/bench_weights_dtype.md). So a one-row call is padded to two rows. The padding
-row is zeros; it costs one row of compute and is sliced off.
+has them; bench/bench_weights_smollm2.md). Its bfloat16 kernel for exactly two rows sums in
+another order than for three rows or more (three to 1,024 rows give a row bit-identical results;
+two rows differ in the last bits). Greedy decoding at bfloat16 must verify exactly what AR
+decodes, so calls of one or two rows are padded to three (`MIN_ROWS`). The padding rows are zeros;
+they cost two rows of compute and are sliced off.
 
 A leaf module: it imports nothing from specjax.
 """
@@ -47,14 +51,17 @@ def quantize_int8(w, axis: int):
     return q, jnp.squeeze(scale, reduce)
 
 
+MIN_ROWS = 3  # see the module's note
+
+
 def _rows(x):
-    """x [..., K] as [N, K] with N >= 2 (see the module's note), and a function putting a result
-    [N', M] back as [..., M]."""
+    """x [..., K] as [N, K] with N >= MIN_ROWS (see the module's note), and a function putting a
+    result [N', M] back as [..., M]."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     n = x2.shape[0]
-    if n == 1:
-        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)], axis=0)
+    if n < MIN_ROWS:
+        x2 = jnp.concatenate([x2, jnp.zeros((MIN_ROWS - n, K), x2.dtype)], axis=0)
     return x2, lambda y: y[:n].reshape(lead + y.shape[-1:])
 
 
