@@ -67,11 +67,9 @@ def head_rows(target, ids) -> jnp.ndarray:
     ids = jnp.asarray(ids)
     dtype = target.config.dtype
     if target.lm_head is None:  # tied: the embedding
-        scale = None if target.embed_scale is None else target.embed_scale[...]
-        return quant.rows(target.embed_tokens[...], scale, ids, dtype)
-    head = target.lm_head  # [E, V]: its columns, with their channel scales
-    scale = None if head.scale is None else head.scale[...]
-    return quant.rows(head.weight[...].T, scale, ids, dtype)
+        return quant.rows(target.embed_tokens[...], quant.value(target.embed_scale), ids, dtype)
+    # [E, V]: its columns, with their channel scales
+    return quant.rows(target.lm_head.weight[...].T, quant.value(target.lm_head.scale), ids, dtype)
 
 
 def widen(sub_xN, ids_N, vocab_size: int):

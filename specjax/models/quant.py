@@ -84,6 +84,11 @@ def matmul(x, w, scale=None, *, transposed: bool = False):
     return x @ (w.T if transposed else w)
 
 
+def value(param):
+    """An optional parameter's array (a `scale` slot is None on float32 / bf16 weights)."""
+    return None if param is None else param[...]
+
+
 def rows(table, scale, ids, dtype):
     """Rows `ids` of an [V, E] table stored at any weight dtype, in `dtype` (embedding lookups and
     head rows)."""

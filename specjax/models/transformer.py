@@ -115,7 +115,7 @@ def rms_norm(norm: RMSNorm, x):
 
 
 def linear(lin: Linear, x):
-    y = quant.matmul(x, lin.weight[...], None if lin.scale is None else lin.scale[...])
+    y = quant.matmul(x, lin.weight[...], quant.value(lin.scale))
     return y if lin.bias is None else y + lin.bias[...]
 
 
@@ -180,17 +180,13 @@ class ForwardOutput:
 def embed(model: Model, tokens_BxT: Tokens):
     if model.embed_scale is None and model.embed_tokens[...].dtype == model.config.dtype:
         return model.embed_tokens[...][tokens_BxT]
-    return quant.rows(model.embed_tokens[...], _scale(model.embed_scale), tokens_BxT, model.config.dtype)
+    return quant.rows(model.embed_tokens[...], quant.value(model.embed_scale), tokens_BxT, model.config.dtype)
 
 
 def lm_head(model: Model, h_BxTxE) -> Logits:
     if model.lm_head is None:
-        return quant.matmul(h_BxTxE, model.embed_tokens[...], _scale(model.embed_scale), transposed=True).astype(jnp.float32)
+        return quant.matmul(h_BxTxE, model.embed_tokens[...], quant.value(model.embed_scale), transposed=True).astype(jnp.float32)
     return linear(model.lm_head, h_BxTxE).astype(jnp.float32)
-
-
-def _scale(param):
-    return None if param is None else param[...]
 
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
