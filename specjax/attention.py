@@ -3,6 +3,11 @@ a forward takes (a leaf module: it imports no model).
 
 An attention object says how a forward's attention layers attend over the KV cache:
 
+    attention.invariant               True: the forward is batch-invariant (`specjax.invariant`):
+                                      RoPE's cos / sin from a table over the cache's slots and its
+                                      products rounded (absent = False)
+    attention.min_rows                a forward pads a shorter block to this many queries with
+                                      copies of its last (batch-invariant; absent = 1)
     attention.rotates                 False: q and k reach it rotated (RoPE at their positions),
                                       and the cache holds rotated keys. True: they reach it
                                       UN-rotated, the cache holds keys before RoPE, and it applies
@@ -16,7 +21,8 @@ An attention object says how a forward's attention layers attend over the KV cac
                                       `length + offset ..`: attention of the block's queries over
                                       the committed slots and the scratch slots under the block mask
 
-`DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `KernelAttention(impl)`
+`DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `InvariantAttention`
+its batch-invariant form (`specjax.invariant`: what quantised targets use); `KernelAttention(impl)`
 the Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`). `for_impl(name)` maps a
 model's `attention_impl` (`transformer.set_attention_impl`) to one of them.
 """
@@ -30,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops  # only models that select a kernel import Pallas
-from specjax import kvcache
+from specjax import invariant, kvcache
+from specjax.invariant import MIN_QUERIES
 from specjax.kvcache import KVCache
 from specjax.typing import Array, BlockMask, Float, Positions
 
@@ -61,21 +68,37 @@ def rope_inv_freq(cfg: ModelConfig) -> Float[Array, "D/2"]:
     return inv
 
 
-def cos_sin(inv_freq, positions_BxT: Positions):
-    """(cos, sin) [B, T, D] of RoPE at `positions` for inverse frequencies [D/2] (HF rotate_half)."""
+def cos_sin(inv_freq, positions_BxT: Positions, table: int | None = None):
+    """(cos, sin) [B, T, D] of RoPE at `positions` for inverse frequencies [D/2] (HF rotate_half).
+
+    With `table` = N, cos and sin for positions 0..N-1 are a constant of the program (computed at
+    trace time; `inv_freq` must be concrete) and the rows are gathered (positions must be < N): the
+    values then do not depend on the block's shape. XLA:CPU evaluates a fused cos / sin with its
+    vectorised or its scalar routine depending on the shape, which can differ in the last bit
+    (`specjax.invariant`)."""
+    if table is not None:
+        with jax.ensure_compile_time_eval():  # a constant of the program: computed once, here
+            cos_NxD, sin_NxD = cos_sin(jnp.asarray(inv_freq), jnp.arange(table, dtype=jnp.int32)[None])
+        return cos_NxD[0][positions_BxT], sin_NxD[0][positions_BxT]
     freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
     emb_BxTxD = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
     return jnp.cos(emb_BxTxD), jnp.sin(emb_BxTxD)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions):
+def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions, table: int | None = None):
+    if table is not None:
+        with jax.ensure_compile_time_eval():
+            return cos_sin(rope_inv_freq(cfg), positions_BxT, table)
     return cos_sin(rope_inv_freq(cfg), positions_BxT)
 
 
-def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD):
+def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD, invariant_: bool = False):
+    """x rotated by (cos, sin); `invariant_`: both products `invariant.rounded` before the add."""
     half = x_BxTxHxD.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
     cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
+    if invariant_:
+        return (invariant.rounded(x_BxTxHxD * cos) + invariant.rounded(rotated * sin)).astype(x_BxTxHxD.dtype)
     return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
 
 
@@ -114,6 +137,7 @@ class Attention(Protocol):
 class DenseAttention:
     """The jnp default: `attend` over `kvcache.visible_mask` (computed once per forward)."""
     rotates: ClassVar[bool] = False
+    invariant: ClassVar[bool] = False
 
     def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
         visible_BxTxC = kvcache.visible_mask(cache, block_mask_BxTxS)
@@ -142,12 +166,36 @@ class KernelAttention:
         return attention
 
 
+@dataclasses.dataclass(frozen=True)
+class InvariantAttention:
+    """Batch-invariant softmax attention (`specjax.invariant.attend`): a query gets the same bits
+    decoded alone or verified in any block or tree. Each query's visible slots are compacted once per
+    forward. What a target at bfloat16 / int8 weights uses (`specjax.models.quant.quantize`).
+    `invariant`: the forward takes RoPE's cos / sin from a table over the cache's slots (`cos_sin`)
+    and rounds its products (`apply_rope`);
+    `min_rows`: a one-token forward runs as a block of two (XLA:CPU compiles one-row fusions
+    differently: with FMAs where the block's do not)."""
+    rotates: ClassVar[bool] = False
+    invariant: ClassVar[bool] = True
+    min_rows: ClassVar[int] = MIN_QUERIES  # a forward pads a one-token block to this
+
+    def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
+        slot_BxTxC, valid_BxTxC = invariant.compact(kvcache.visible_mask(cache, block_mask_BxTxS))
+
+        def attention(q_BxTxHxD, cache: KVCache, idx: int):
+            return invariant.attend(q_BxTxHxD, cache.k[idx], cache.v[idx], slot_BxTxC, valid_BxTxC)
+
+        return attention
+
+
 DENSE = DenseAttention()
-IMPLS = ("jnp", "auto", "pallas", "interpret", "reference")
+INVARIANT = InvariantAttention()
+IMPLS = ("jnp", "invariant", "auto", "pallas", "interpret", "reference")
 
 
 def for_impl(impl: str) -> Attention:
-    """The attention object of an `attention_impl` name: "jnp" -> DENSE, else KernelAttention(impl)."""
+    """The attention object of an `attention_impl` name: "jnp" -> DENSE, "invariant" -> INVARIANT,
+    else KernelAttention(impl)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {', '.join(IMPLS)}")
-    return DENSE if impl == "jnp" else KernelAttention(impl)
+    return {"jnp": DENSE, "invariant": INVARIANT}.get(impl) or KernelAttention(impl)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from specjax import kvcache
+from specjax import invariant, kvcache
 from specjax.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.config import HybridConfig
@@ -236,13 +236,13 @@ def commit(cache: HybridCache, path_BxP: Int[Array, "B P"], n_keep_B) -> HybridC
 
 def offset_rms_norm(norm: OffsetRMSNorm, x):
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    x32 = invariant.rms_normalize(x32, norm.eps)
     return (x32 * (1.0 + norm.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def gated_rms_norm(norm: RMSNorm, x, gate):
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    x32 = invariant.rms_normalize(x32, norm.eps)
     h = norm.weight[...] * x32.astype(x.dtype)
     return (h * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 

@@ -11,8 +11,10 @@ The matmuls (design §17):
   the result is rescaled by the row's scale times the weight's channel scale. An integer sum
   does not depend on the order it is taken in. So a row's output is bit-identical however many
   rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
-  whether it is enough on a real target is still open (design §17). (bfloat16 gets the matmul's property from the padding below, on XLA:CPU with
-  oneDNN; `tests/test_quant.py` checks it.)
+  the rest of the forward must be batch-invariant too, so a quantised model's attention is
+  `specjax.invariant`'s ("invariant", set by `quantize` unless a kernel was chosen), and the norms
+  sum in its fixed order (design §17). (bfloat16 gets the matmul's property from the padding below,
+  on XLA:CPU with oneDNN; `tests/test_quant.py` checks it.)
 
 XLA:CPU runs a one-row dot in bfloat16 / int8 through a generic matrix-vector path about 8x slower
 than its float32 one, and any dot of two rows or more through oneDNN (AMX / AVX-512 where the CPU
@@ -22,13 +24,15 @@ two rows differ in the last bits). Greedy decoding at bfloat16 must verify exact
 decodes, so calls of one or two rows are padded to three (`MIN_ROWS`). The padding rows are zeros;
 they cost two rows of compute and are sliced off.
 
-A leaf module: it imports nothing from specjax.
+It imports only `specjax.invariant` (a leaf) from specjax.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from specjax import invariant
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 _INT8_MAX = 127.0
@@ -76,10 +80,12 @@ def matmul(x, w, scale=None, *, transposed: bool = False):
         xs = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
         xq = jnp.clip(jnp.round(x2 / xs), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
         acc = jax.lax.dot_general(xq, w, contract, preferred_element_type=jnp.int32)
-        return back(acc.astype(jnp.float32) * xs * scale)
+        # rounded: the caller's add (a residual) must not fuse with the rescale into an FMA in one
+        # compiled shape and not in another (batch invariance, `specjax.invariant`)
+        return back(invariant.rounded(acc.astype(jnp.float32) * xs * scale))
     if w.dtype != x.dtype:
         x2, back = _rows(x.astype(w.dtype))
-        y = jax.lax.dot_general(x2, w, contract, preferred_element_type=jnp.float32)
+        y = invariant.rounded(jax.lax.dot_general(x2, w, contract, preferred_element_type=jnp.float32))
         return back(y).astype(x.dtype)
     return x @ (w.T if transposed else w)
 
@@ -94,7 +100,7 @@ def rows(table, scale, ids, dtype):
     head rows)."""
     r = jnp.take(table, ids, axis=0)
     if table.dtype == jnp.int8:
-        return (r.astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(dtype)
+        return invariant.rounded(r.astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(dtype)
     return r.astype(dtype)
 
 
@@ -125,4 +131,6 @@ def quantize(model, weights: str):
             node.weight, node.scale = nnx.Param(w), None if scale is None else nnx.Param(scale)
     e, scale = convert(model.embed_tokens[...], axis=0)
     model.embed_tokens, model.embed_scale = nnx.Param(e), None if scale is None else nnx.Param(scale)
+    if getattr(model, "attention_impl", "jnp") == "jnp":  # batch-invariant attention (`specjax.invariant`)
+        model.attention_impl = "invariant"
     return model

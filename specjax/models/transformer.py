@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from specjax import attention as attention_lib, kvcache
+from specjax import attention as attention_lib, invariant, kvcache
 from specjax.kvcache import KVCache
 from specjax.models import quant
 from specjax.models.config import ModelConfig
@@ -110,7 +110,7 @@ def num_params(model: Model) -> int:
 def rms_norm(norm: RMSNorm, x):
     # Normalise in float32, as transformers does, then cast back.
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+    x32 = invariant.rms_normalize(x32, norm.eps)
     return norm.weight[...] * x32.astype(x.dtype)
 
 
@@ -127,9 +127,10 @@ attend = attention_lib.attend
 
 
 def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache,
-                  attention: attention_lib.LayerAttention, offset_B=None):
+                  attention: attention_lib.LayerAttention, offset_B=None, invariant_: bool = False):
     """One decoder layer. `attention(q, cache, idx) -> [B, T, H, D]` is the forward's bound attention
-    (`Attention.bind`); cos = sin = None leaves q and k un-rotated (an attention that `rotates`)."""
+    (`Attention.bind`); cos = sin = None leaves q and k un-rotated (an attention that `rotates`);
+    `invariant_`: RoPE's products rounded (an `invariant` attention's forward)."""
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -140,7 +141,7 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     if cos is not None:  # None: q and k stay un-rotated (the attention applies RoPE itself)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, invariant_), apply_rope(k, cos, sin, invariant_)
     cache = kvcache.write(cache, idx, k, v, offset_B)
     o = attention(q, cache, idx)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
@@ -208,12 +209,21 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     """
     cfg = model.config
     attention = model_attention(model) if attention is None else attention
+    T, min_rows = tokens_BxT.shape[1], getattr(attention, "min_rows", 1)
+    if T < min_rows:  # a batch-invariant attention's smallest block (`specjax.invariant`)
+        def pad(a):  # copies of the last query: they see what it sees; their K/V land in scratch slots
+            return jnp.concatenate([a] + [a[:, -1:]] * (min_rows - T), axis=1)
+        out = forward(model, pad(tokens_BxT), pad(positions_BxT), cache, pad(block_mask_BxTxS), hidden_layers,
+                      offset_B, parents, attention)
+        return ForwardOutput(logits=out.logits[:, :T], cache=out.cache, hidden=tuple(h[:, :T] for h in out.hidden),
+                             last_hidden=out.last_hidden[:, :T])
     x = embed(model, tokens_BxT)
-    cos, sin = (None, None) if attention.rotates else rope_cos_sin(cfg, positions_BxT)
+    exact = getattr(attention, "invariant", False)
+    cos, sin = (None, None) if attention.rotates else rope_cos_sin(cfg, positions_BxT, cache.capacity if exact else None)
     layer_attention = attention.bind(cache, positions_BxT, block_mask_BxTxS)  # before any K/V is written
     hidden = {}
     for i, layer in enumerate(model.layers):
-        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, layer_attention, offset_B)
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, layer_attention, offset_B, exact)
         if i in hidden_layers:
             hidden[i] = x
     h = rms_norm(model.norm, x)
@@ -226,7 +236,8 @@ ATTENTION_IMPLS = attention_lib.IMPLS
 
 def set_attention_impl(model: Model, impl: str) -> Model:
     """Selects how `forward` computes attention for this model (returns the model, changed in place):
-    "jnp" (the default: `attend` over `kvcache.visible_mask`), or the Pallas tree-attention kernel
+    "jnp" (the default: `attend` over `kvcache.visible_mask`), "invariant" (its batch-invariant
+    form, `specjax.invariant`: what `quant.quantize` selects for bf16 / int8 weights), or the Pallas tree-attention kernel
     via `pallas_kernels.ops.tree_attention` with impl "auto" (Triton on NVIDIA GPUs, interpret mode
     on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
     so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
