@@ -170,7 +170,7 @@ class KernelAttention:
 class InvariantAttention:
     """Batch-invariant softmax attention (`specjax.invariant.attend`): a query gets the same bits
     decoded alone or verified in any block or tree. Each query's visible slots are compacted once per
-    forward. What a target at bfloat16 / int8 weights uses (`specjax.models.quant.quantize`).
+    forward. What `load_model(..., invariant=True)` selects for a target at bfloat16 / int8 weights.
     `invariant`: the forward takes RoPE's cos / sin from a table over the cache's slots (`cos_sin`)
     and rounds its products (`apply_rope`);
     `min_rows`: a one-token forward runs as a block of two (XLA:CPU compiles one-row fusions

@@ -6,7 +6,7 @@ chain, a tree). At float32 the two differ in the last bits and greedy output has
 every prompt we measured. At bfloat16 / int8 weights (`specjax.models.quant`) the activations are
 rounded before each matmul, and a last-bit difference upstream moves a value across a rounding
 boundary: the logits then differ by up to ~2 and the greedy output diverges (design §17). This
-module removes the two sources of that difference outside the matmuls:
+module removes the sources of that difference outside the matmuls:
 
 - **Reductions whose order depends on the number of rows.** XLA:CPU reduces a [N, E] array row by
   row for small N and across rows (vectorised) from N = 8, and its dots pick kernels by shape.
@@ -27,7 +27,9 @@ module removes the two sources of that difference outside the matmuls:
 
 One-query calls are padded to `MIN_QUERIES` = 2 rows (XLA:CPU compiles a one-row fusion
 differently; two rows onwards give every row identical bits). `tests/test_invariant.py` checks
-both properties on this backend; the cost is measured in `bench/bench_weights_smollm2.md`.
+both properties on this backend. It is opt-in (`specjax.load_model(..., invariant=True)`, attention
+impl "invariant") because it costs: the sums run without BLAS (design §17,
+`bench/bench_smollm2_w_int8_invariant_code_b1.md`).
 
 A leaf module: it imports nothing from specjax.
 """
@@ -86,10 +88,10 @@ _EXP_TAYLOR = (1.0, 1.0, 0.5, 1 / 6, 1 / 24, 1 / 120, 1 / 720, 1 / 5040)
 
 
 def exp(x):
-    """exp(x) for float32 x <= 80 (relative error ~1e-7; 0 below -80) from adds, multiplies and
-    `ldexp`, so every element gets the same bits whichever loop of a fusion computes it: XLA:CPU's
-    own `exp` takes a vectorised routine or libm's depending on the shape. Each Horner step is
-    `rounded`."""
+    """exp(x) for float32 x <= 80 (relative error ~1e-7; 0 below -80) from adds, multiplies and a
+    power of two built from its bits, so every element gets the same bits whichever loop of a
+    fusion computes it: XLA:CPU's own `exp` takes a vectorised routine or libm's depending on the
+    shape. (One elementwise chain: LLVM contracts its multiply-adds alike in either loop.)"""
     small = x < -80.0  # exp(-80) ~ 2e-35: 0, and no subnormal results
     x = jnp.where(small, 0.0, x)
     k = jnp.round(x * (1 / math.log(2)))
@@ -98,8 +100,9 @@ def exp(x):
         r = r - k * jnp.float32(part)
     p = jnp.full_like(r, _EXP_TAYLOR[-1])
     for c in reversed(_EXP_TAYLOR[:-1]):
-        p = rounded(p * r) + c
-    return jnp.where(small, 0.0, jnp.ldexp(p, k.astype(jnp.int32)))
+        p = p * r + c
+    two_k = jax.lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)  # 2^k, |k| <= 116
+    return jnp.where(small, 0.0, p * two_k)
 
 
 def compact(visible_BxTxC):

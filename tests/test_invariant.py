@@ -9,7 +9,7 @@ from flax import nnx
 
 from helpers import tiny_target
 from specjax import attention as attention_lib, invariant
-from specjax.models import family, quant
+from specjax.models import family, quant, transformer
 
 VOCAB = 48
 
@@ -73,8 +73,7 @@ def test_invariant_attention_over_a_tree_equals_the_ar_layout():
 def test_quantized_tree_verify_equals_ar_bit_for_bit(weights):
     """At a quantised weight dtype, a tree forward's logits at each node are the bits AR decoding
     gives the same path, one token at a time (float32 logits may differ in the last bits)."""
-    model = quant.quantize(nnx.clone(tiny_target(VOCAB)), weights)
-    assert model.attention_impl == "invariant"
+    model = transformer.set_attention_impl(quant.quantize(nnx.clone(tiny_target(VOCAB)), weights), "invariant")
     fam = family(model)
     rng = np.random.default_rng(1)
     P = 13

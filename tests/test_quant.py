@@ -9,7 +9,7 @@ from flax import nnx
 import specjax
 from helpers import noisy_lm_drafter, tiny_hybrid, tiny_target
 from specjax.drafters import vocab as vocab_lib
-from specjax.models import family, quant
+from specjax.models import family, quant, transformer
 
 VOCAB = 48
 
@@ -63,9 +63,9 @@ def test_quantized_target_close_to_float32(weights):
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 def test_quantized_speculative_equals_ar_at_the_same_dtype(weights):
-    """Token for token, no near-tie allowance: a quantised target's forward is batch-invariant
-    (`specjax.invariant`), so a tree verifies exactly what AR decodes."""
-    target = _quantized(tiny_target(VOCAB), weights)
+    """Token for token, no near-tie allowance: with the batch-invariant attention
+    (`specjax.invariant`) a tree verifies exactly what AR decodes."""
+    target = transformer.set_attention_impl(_quantized(tiny_target(VOCAB), weights), "invariant")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 21, 14, 30)]
     ref = specjax.generate(target, prompts, max_new_tokens=24)
@@ -84,6 +84,7 @@ def test_int8_hybrid_forward():
 
 
 def test_load_model_weights_option(llama):
+    assert specjax.load_model(llama.path, weights="bfloat16", invariant=True).attention_impl == "invariant"
     q = specjax.load_model(llama.path, weights="int8")
     assert q.layers[0].mlp.up_proj.weight[...].dtype == jnp.int8
     assert q.layers[0].mlp.up_proj.scale[...].shape == (llama.jx.config.intermediate_size,)

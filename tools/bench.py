@@ -315,7 +315,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
 def zoo_setup(args):
     from specjax.checkpoint import load_tokenizer
     from train import prompts as prompt_sets
-    target = specjax.load_model(args.target, weights=args.weights)
+    target = specjax.load_model(args.target, weights=args.weights, invariant=args.invariant)
     tok = load_tokenizer(args.target)
     drafters = {}
     if args.draft and os.path.isdir(args.draft):
@@ -392,7 +392,8 @@ def plot_rows(plt, rows, meta):
 
 def _weights_phrase(meta) -> str:
     w = meta.get("weights", "float32")
-    return "float32" if w == "float32" else f"target weights {w} (activations float32)"
+    inv = ", batch-invariant attention" if meta.get("invariant") else ""
+    return ("float32" if w == "float32" else f"target weights {w} (activations float32)") + inv
 
 
 def write_bench_outputs(rows, meta, out: Path) -> Path:
@@ -496,6 +497,9 @@ def main(argv=None):
     ap.add_argument("--llama-cpp", default=None, metavar="FILE.gguf",
                     help="also llama.cpp (llama-cpp-python) on this GGUF: greedy and prompt lookup, batch 1, speed only")
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads of the --hf rows (default 1)")
+    ap.add_argument("--invariant", action="store_true",
+                    help="the target's batch-invariant attention (load_model(invariant=True)): bf16 / int8 rows "
+                         "then equal AR token for token, at a cost")
     ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
                     help="the target's weight storage (load_model(weights=...)); every row, AR included, runs at it, "
                          "so the greedy check compares with AR at the same dtype")
@@ -627,7 +631,7 @@ def main(argv=None):
     meta = run_meta("bench", argv, setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
                     kind="random" if args.smoke else args.kind, n_prompts=len(flat), new_tokens=args.new_tokens,
                     batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
-                    dspark_threshold=args.dspark_threshold, weights=args.weights)
+                    dspark_threshold=args.dspark_threshold, weights=args.weights, invariant=args.invariant)
     md = write_bench_outputs(rows, meta, Path(args.out))
     Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:

@@ -11,9 +11,8 @@ The matmuls (design §17):
   the result is rescaled by the row's scale times the weight's channel scale. An integer sum
   does not depend on the order it is taken in. So a row's output is bit-identical however many
   rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
-  the rest of the forward must be batch-invariant too, so a quantised model's attention is
-  `specjax.invariant`'s ("invariant", set by `quantize` unless a kernel was chosen), and the norms
-  sum in its fixed order (design §17). (bfloat16 gets the matmul's property from the padding below,
+  the rest of the forward must be batch-invariant too: `load_model(..., invariant=True)` selects
+  `specjax.invariant`'s attention (design §17). The outputs here are `invariant.rounded`. (bfloat16 gets the matmul's property from the padding below,
   on XLA:CPU with oneDNN; `tests/test_quant.py` checks it.)
 
 XLA:CPU runs a one-row dot in bfloat16 / int8 through a generic matrix-vector path about 8x slower
@@ -131,6 +130,4 @@ def quantize(model, weights: str):
             node.weight, node.scale = nnx.Param(w), None if scale is None else nnx.Param(scale)
     e, scale = convert(model.embed_tokens[...], axis=0)
     model.embed_tokens, model.embed_scale = nnx.Param(e), None if scale is None else nnx.Param(scale)
-    if getattr(model, "attention_impl", "jnp") == "jnp":  # batch-invariant attention (`specjax.invariant`)
-        model.attention_impl = "invariant"
     return model
