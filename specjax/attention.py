@@ -22,7 +22,7 @@ An attention object says how a forward's attention layers attend over the KV cac
                                       the committed slots and the scratch slots under the block mask
 
 `DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `InvariantAttention`
-its batch-invariant form (`specjax.invariant`: what quantised targets use); `KernelAttention(impl)`
+its batch-invariant form (`specjax.invariant`, opt-in: `load_model(invariant=True)`); `KernelAttention(impl)`
 the Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`). `for_impl(name)` maps a
 model's `attention_impl` (`transformer.set_attention_impl`) to one of them.
 """
@@ -86,18 +86,18 @@ def cos_sin(inv_freq, positions_BxT: Positions, table: int | None = None):
 
 
 def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions, table: int | None = None):
-    if table is not None:
-        with jax.ensure_compile_time_eval():
-            return cos_sin(rope_inv_freq(cfg), positions_BxT, table)
-    return cos_sin(rope_inv_freq(cfg), positions_BxT)
+    with jax.ensure_compile_time_eval():  # concrete, as `cos_sin(table=)` needs
+        inv_freq = rope_inv_freq(cfg)
+    return cos_sin(inv_freq, positions_BxT, table)
 
 
-def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD, invariant_: bool = False):
-    """x rotated by (cos, sin); `invariant_`: both products `invariant.rounded` before the add."""
+def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD, exact: bool = False):
+    """x rotated by (cos, sin); `exact`: both products `invariant.rounded` before the add (batch
+    invariance)."""
     half = x_BxTxHxD.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxTxHxD[..., half:], x_BxTxHxD[..., :half]], axis=-1)
     cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
-    if invariant_:
+    if exact:
         return (invariant.rounded(x_BxTxHxD * cos) + invariant.rounded(rotated * sin)).astype(x_BxTxHxD.dtype)
     return (x_BxTxHxD * cos + rotated * sin).astype(x_BxTxHxD.dtype)
 

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from specjax.checkpoint_gguf import build_tokenizer, read_gguf, read_metadata
 from specjax.models.config import HybridConfig, ModelConfig, read_config
-from specjax.models import quant
+from specjax.models import quant, transformer
 from specjax.models.hybrid import HybridModel
 from specjax.models.transformer import Model
 
@@ -194,7 +194,8 @@ def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invari
 
     `invariant`: the batch-invariant attention (`specjax.invariant`; attention impl "invariant").
     With bfloat16 / int8 weights a speculative run then equals AR at the same weights token for
-    token, trees included; it costs (SmolLM2 int8 AR 12.5 against 44 tokens/s, design §17).
+    token, trees included; it costs (SmolLM2 int8 AR 16.0 against 49.2 tokens/s,
+    `bench/bench_smollm2_w_int8_invariant_code_b1.md`, design §17).
 
     Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
@@ -218,9 +219,7 @@ def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invari
 
 
 def _invariant(model, invariant: bool):
-    if invariant:
-        model.attention_impl = "invariant"  # = transformer.set_attention_impl(model, "invariant")
-    return model
+    return transformer.set_attention_impl(model, "invariant") if invariant else model
 
 
 def _model_from_tensors(cfg, tensors: dict, where: str, dtype) -> Model | HybridModel:

@@ -12,8 +12,9 @@ The matmuls (design §17):
   does not depend on the order it is taken in. So a row's output is bit-identical however many
   rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
   the rest of the forward must be batch-invariant too: `load_model(..., invariant=True)` selects
-  `specjax.invariant`'s attention (design §17). The outputs here are `invariant.rounded`. (bfloat16 gets the matmul's property from the padding below,
-  on XLA:CPU with oneDNN; `tests/test_quant.py` checks it.)
+  `specjax.invariant`'s attention (design §17). The outputs here are `invariant.rounded`.
+  (bfloat16 gets the matmul's property from the padding below, on XLA:CPU with oneDNN;
+  `tests/test_quant.py` checks it.)
 
 XLA:CPU runs a one-row dot in bfloat16 / int8 through a generic matrix-vector path about 8x slower
 than its float32 one, and any dot of two rows or more through oneDNN (AMX / AVX-512 where the CPU

@@ -127,10 +127,10 @@ attend = attention_lib.attend
 
 
 def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache,
-                  attention: attention_lib.LayerAttention, offset_B=None, invariant_: bool = False):
+                  attention: attention_lib.LayerAttention, offset_B=None, exact: bool = False):
     """One decoder layer. `attention(q, cache, idx) -> [B, T, H, D]` is the forward's bound attention
     (`Attention.bind`); cos = sin = None leaves q and k un-rotated (an attention that `rotates`);
-    `invariant_`: RoPE's products rounded (an `invariant` attention's forward)."""
+    `exact`: RoPE's products rounded (an `invariant` attention's forward)."""
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -141,7 +141,7 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     if cos is not None:  # None: q and k stay un-rotated (the attention applies RoPE itself)
-        q, k = apply_rope(q, cos, sin, invariant_), apply_rope(k, cos, sin, invariant_)
+        q, k = apply_rope(q, cos, sin, exact), apply_rope(k, cos, sin, exact)
     cache = kvcache.write(cache, idx, k, v, offset_B)
     o = attention(q, cache, idx)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
