@@ -86,7 +86,9 @@ def cos_sin(inv_freq, positions_BxT: Positions, table: int | None = None):
 
 
 def rope_cos_sin(cfg: ModelConfig, positions_BxT: Positions, table: int | None = None):
-    with jax.ensure_compile_time_eval():  # concrete, as `cos_sin(table=)` needs
+    if table is None:
+        return cos_sin(rope_inv_freq(cfg), positions_BxT)
+    with jax.ensure_compile_time_eval():  # concrete, as `cos_sin(table=)` needs (eager ops: only here)
         inv_freq = rope_inv_freq(cfg)
     return cos_sin(inv_freq, positions_BxT, table)
 
