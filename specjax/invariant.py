@@ -5,7 +5,7 @@ whether the token is decoded alone (AR: one query) or verified inside a block of
 chain, a tree). At float32 the two differ in the last bits and greedy output has matched AR on
 every prompt we measured. At bfloat16 / int8 weights (`specjax.models.quant`) the activations are
 rounded before each matmul, and a last-bit difference upstream moves a value across a rounding
-boundary: the logits then differ by up to ~2 and the greedy output diverges (design §17). This
+boundary: the logits then differ visibly and the greedy output diverges (design §17). This
 module removes the sources of that difference outside the matmuls:
 
 - **Reductions whose order depends on the number of rows.** XLA:CPU reduces a [N, E] array row by
