@@ -597,6 +597,32 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
     assert ready.head.vocab_ids[...].shape == (96,) and ready.head.markov_embed.shape == (97, 8)
     assert specjax.generate(model, prompts, max_new_tokens=10, drafters=[ready]).sequences() == ref_seq
 
+    # ReaDy on an offline cache built with its read layers' states (issue 43): the online loss at step 0
+    # (k = V: the whole distribution), a cached run, and a refusal when the cache holds other layers
+    from train import target_cache
+    ccfg = dataclasses.replace(rcfg, name="tiny-hybrid-ready-cache", draft_vocab=None, extra_train=None, extra_repeat=1)
+    _, chcfg, chead_of, _, _, cinit = block._fns(ccfg, str(tmp_path / "export"))
+    cache_dir = tmp_path / "ready-cache-data"
+    target_cache.build(str(tmp_path / "export"), drafter_run.train_stream(ccfg, tmp_path / "feat"), cache_dir,
+                       layers=chcfg.target_layers, topk=300, seq_len=16, shard_windows=4, batch=4, max_windows=8,
+                       state_layers=chcfg.state_layers, state_every=2, progress=False)
+    cb = target_cache.TargetCache(cache_dir, str(tmp_path / "export"), chcfg.target_layers).batch([0, 5])
+    assert cb["states"].shape[:3] == (3, 2, 9)  # [L_s, B, 16 / 2 + 1]
+    ctoks = jnp.asarray(cb["tokens"])
+    canchors = block.anchors_for(ccfg, chcfg, None, 2, 16, evenly=True)
+    chead = chead_of(cinit()["params"])
+    online, _ = block.block_loss(chead, model, ctoks, canchors, ccfg)
+    offline, _ = block.block_loss(chead, model, ctoks, canchors, ccfg,
+                                  cached={k: jnp.asarray(v) for k, v in cb.items() if k != "tokens"})
+    np.testing.assert_allclose(float(offline), float(online), rtol=2e-2)
+    cstate = block.train(dataclasses.replace(ccfg, cache=str(cache_dir), steps=2, eval_every=2), tmp_path / "ready-c",
+                         progress=False)
+    assert int(cstate["step"]) == 2
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    (cache_dir / "manifest.json").write_text(json.dumps({**manifest, "state_layers": [0]}))
+    with pytest.raises(ValueError, match="holds the states of layers"):
+        block.train(dataclasses.replace(ccfg, cache=str(cache_dir), steps=2), tmp_path / "ready-c2", progress=False)
+
 
 def test_reschedule_changes_phase_lengths_only(zoo, tmp_path):
     """--reschedule: a run may get shorter or longer phases (recorded in run.json), never other
@@ -636,3 +662,31 @@ def test_a_run_from_before_a_new_defaulted_field_resumes(tmp_path):
     (run / "run.json").write_text(json.dumps(old))
     with pytest.raises(lm.RunRefused, match="reader_rank: run dir has 8, now 16"):
         drafter_run.open_run(run, None, {**ident, "reader_rank": 16}, overwrite=False)
+
+
+def test_block_backbone_starts_from_a_hybrid_targets_attention_layers():
+    """`init_from_target` on a hybrid: the backbone takes the top full-attention layers (the Gated
+    DeltaNet layers have none), the query half of the gated q_proj, and the (1 + w) norms as scales."""
+    from helpers import tiny_hybrid_config
+    from specjax.drafters import block as Bk
+    from specjax.models import hybrid
+    from train import block
+    tcfg = tiny_hybrid_config(64, 4, layer_types=("linear_attention", "full_attention", "linear_attention",
+                                                  "full_attention"))
+    target = hybrid.init_model(tcfg, seed=2)
+    for layer in target.layers:  # non-zero offsets, so a (1 + w) scale differs from w
+        layer.input_layernorm.weight.set_value(jnp.full((64,), 0.25))
+        if layer.self_attn is not None:
+            layer.self_attn.q_norm.weight.set_value(jnp.full((16,), -0.5))
+    hcfg = Bk.BlockConfig.for_target(tcfg, block_size=4, num_layers=2, target_layers=(0, 2))
+    head = Bk.BlockHead(hcfg, nnx.Rngs(0))
+    block.start_from_target(head, target)
+    for layer, src in zip(head.layers, (target.layers[1], target.layers[3])):
+        wq = np.asarray(src.self_attn.q_proj.weight[...]).reshape(64, 4, 32)[..., :16].reshape(64, 64)
+        np.testing.assert_array_equal(np.asarray(layer.q_proj.weight[...]), wq.astype(np.asarray(layer.q_proj.weight[...]).dtype))
+        np.testing.assert_array_equal(np.asarray(layer.k_proj.weight[...]), np.asarray(src.self_attn.k_proj.weight[...]))
+        np.testing.assert_allclose(np.asarray(layer.input_layernorm.weight[...]), 1.25)
+        np.testing.assert_allclose(np.asarray(layer.q_norm.weight[...]), 0.5)
+        np.testing.assert_array_equal(np.asarray(layer.mlp.up_proj.weight[...]), np.asarray(src.mlp.up_proj.weight[...]))
+    with pytest.raises(ValueError, match="attention layers"):
+        block.start_from_target(Bk.BlockHead(dataclasses.replace(hcfg, num_layers=3), nnx.Rngs(0)), target)

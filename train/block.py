@@ -118,8 +118,9 @@ class BlockTrainConfig:
     # position-weighted mean sum_k w_k x_k / sum_k w_k (True); False: the first recipe, CE and BCE plain means
     # and the L1 a weighted sum sum_k w_k L1_k (its weights add up to ~4.4 at W = 8: a larger step on the L1).
     deepspec_loss: bool = False
-    # Start the backbone from the target: backbone layer i <- target layer L - n + i (attention, norms, and
-    # the MLP where the widths match), fc passing the last read layer's feature through. Ablation: False.
+    # Start the backbone from the target: backbone layer i <- the i-th of the target's last n attention layers
+    # (attention, norms, and the MLP where the widths match), fc passing the last read layer's feature
+    # through (`start_from_target`). Ablation: False.
     init_from_target: bool = False
     # MASK slots as the target's embedding of this vocabulary token (as DeepSpec / z-lab / speculators: the
     # drafter then exports to speculators exactly); None: a learned MASK vector. `sample_from_anchor`: False,
@@ -376,25 +377,42 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
 
 
 def start_from_target(head: Bk.BlockHead, target) -> None:
-    """The backbone from the target's top layers (issue 43's initialisation): backbone layer i takes
-    target layer L - n + i's attention projections, norms and (where the widths match) MLP; `fc`
-    passes the last read layer's hidden state through (identity on its slice, zero elsewhere), so
-    at step 0 the context is that feature, normalised. The q/k norms (the target has none: llama)
-    stay at one."""
+    """The backbone from the target's top attention layers (issue 43's initialisation): backbone layer
+    i takes the i-th of the target's last n attention layers (a dense target: its top n layers; a
+    hybrid: its top n full-attention layers, the Gated DeltaNet layers between them having no
+    attention to give) with its attention projections, norms and (where the widths match) MLP; `fc`
+    passes the last read layer's hidden state through (identity on its slice, zero elsewhere), so at
+    step 0 the context is that feature, normalised. A hybrid's gated attention gives the query half of
+    its q_proj (the output gate is dropped), its q/k norms, and its (1 + w) norms as plain scales; its
+    partial rotary becomes the drafter's full rotary, so the copy is a start, not the same function.
+    A llama target has no q/k norms: the drafter's stay at one."""
     cfg, tcfg = head.config, target.config
     n = len(head.layers)
     if (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) != (tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim):
         raise ValueError("init_from_target needs the target's attention shapes in the backbone")
-    for i, layer in enumerate(head.layers):
-        src = target.layers[tcfg.num_layers - n + i]
-        attn = getattr(src, "self_attn", None)
-        if attn is None:
-            raise ValueError(f"target layer {tcfg.num_layers - n + i} is not an attention layer: init_from_target "
-                             "reads a dense target's top layers")
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(layer, name).weight.set_value(jnp.array(getattr(attn, name).weight.get_value(), layer.q_proj.weight.dtype))
+    attn_layers = [i for i, layer in enumerate(target.layers) if getattr(layer, "self_attn", None) is not None]
+    if len(attn_layers) < n:
+        raise ValueError(f"init_from_target: the target has {len(attn_layers)} attention layers, the backbone {n}")
+    H, D = tcfg.num_heads, tcfg.head_dim
+
+    def scale(norm):  # a norm's effective per-channel scale, as a fresh array (the training state is donated)
+        w = jnp.array(norm.weight.get_value(), jnp.float32)  # a copy
+        return (1.0 + w) if isinstance(norm, hybrid.OffsetRMSNorm) else w
+
+    for layer, src_i in zip(head.layers, attn_layers[-n:]):
+        src = target.layers[src_i]
+        attn, dt = src.self_attn, layer.q_proj.weight.dtype
+        wq = attn.q_proj.weight.get_value()
+        if wq.shape[1] == 2 * H * D:  # gated attention: per head [query D | gate D]
+            wq = wq.reshape(wq.shape[0], H, 2 * D)[..., :D].reshape(wq.shape[0], H * D)
+        layer.q_proj.weight.set_value(jnp.array(wq, dt))
+        for name in ("k_proj", "v_proj", "o_proj"):
+            getattr(layer, name).weight.set_value(jnp.array(getattr(attn, name).weight.get_value(), dt))
         for name in ("input_layernorm", "post_attention_layernorm"):
-            getattr(layer, name).weight.set_value(jnp.array(getattr(src, name).weight.get_value()))  # a copy: the state is donated
+            getattr(layer, name).weight.set_value(scale(getattr(src, name)).astype(getattr(layer, name).weight.dtype))
+        for name in ("q_norm", "k_norm"):
+            if getattr(attn, name, None) is not None:
+                getattr(layer, name).weight.set_value(scale(getattr(attn, name)).astype(getattr(layer, name).weight.dtype))
         if cfg.intermediate_size == tcfg.intermediate_size:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, name).weight.set_value(jnp.array(getattr(src.mlp, name).weight.get_value()))
@@ -505,6 +523,11 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), hcfg.target_layers) if cfg.cache else None
     if cache is not None and cache.manifest["seq_len"] != cfg.seq_len:
         raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
+    if cache is not None and hcfg.reads_state:  # ReaDy reads the cache's states: the same layers, the same grid
+        have = (cache.manifest.get("state_layers") or [], cache.manifest.get("state_every"))
+        if have != (list(hcfg.state_layers), cfg.state_every):
+            raise ValueError(f"cache {cfg.cache} holds the states of layers {have[0]} every {have[1]} tokens; this "
+                             f"drafter reads layers {list(hcfg.state_layers)} every {cfg.state_every}")
 
     state = sharding.place_params(init(), RULES, mesh)
     mngr, state = drafter_run.checkpoints(run_dir, cfg.checkpoint_every, state)
@@ -516,7 +539,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         if cache is None:
             batch, cached = data.batch_at(stream, cfg.seq_len - 1, cfg.batch_size, cfg.seed, 0, step), None  # [B, seq_len]
         else:
-            batch, cached = cache.step_batch(step, cfg.batch_size, cfg.seed, mesh)
+            batch, cached = cache.step_batch(step, cfg.batch_size, cfg.seed, mesh, states=hcfg.reads_state)
         t0 = time.perf_counter()
         state, m = train_step(state, jnp.asarray(batch) if mesh is None else sharding.place(batch, sharding.BATCH, mesh),
                               cached)
