@@ -22,7 +22,7 @@ An attention object says how a forward's attention layers attend over the KV cac
                                       the committed slots and the scratch slots under the block mask
 
 `DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `InvariantAttention`
-its batch-invariant form (`specjax.invariant`, opt-in: `load_model(invariant=True)`); `KernelAttention(impl)`
+its batch-invariant form (`specjax.invariant`, `load_model`'s default at bf16 / int8 weights); `KernelAttention(impl)`
 the Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`). `for_impl(name)` maps a
 model's `attention_impl` (`transformer.set_attention_impl`) to one of them.
 """
@@ -172,7 +172,7 @@ class KernelAttention:
 class InvariantAttention:
     """Batch-invariant softmax attention (`specjax.invariant.attend`): a query gets the same bits
     decoded alone or verified in any block or tree. Each query's visible slots are compacted once per
-    forward. What `load_model(..., invariant=True)` selects for a target at bfloat16 / int8 weights.
+    forward. What `load_model` selects by default for a target at bfloat16 / int8 weights.
     `invariant`: the forward takes RoPE's cos / sin from a table over the cache's slots (`cos_sin`)
     and rounds its products (`apply_rope`);
     `min_rows`: a one-token forward runs as a block of two (XLA:CPU compiles one-row fusions
@@ -182,10 +182,10 @@ class InvariantAttention:
     min_rows: ClassVar[int] = MIN_QUERIES  # a forward pads a one-token block to this
 
     def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
-        slot_BxTxC, valid_BxTxC = invariant.compact(kvcache.visible_mask(cache, block_mask_BxTxS))
+        visible_BxTxC = kvcache.visible_mask(cache, block_mask_BxTxS)
 
         def attention(q_BxTxHxD, cache: KVCache, idx: int):
-            return invariant.attend(q_BxTxHxD, cache.k[idx], cache.v[idx], slot_BxTxC, valid_BxTxC)
+            return invariant.attend(q_BxTxHxD, cache.k[idx], cache.v[idx], visible_BxTxC)
 
         return attention
 

@@ -183,7 +183,7 @@ def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
     return np.asarray(t).astype(np.float32)
 
 
-def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invariant: bool = False) -> Model | HybridModel:
+def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invariant: bool | None = None) -> Model | HybridModel:
     """Loads a Llama / Qwen2 / Qwen3 (`Model`) or a dense-MLP Qwen3-Next (`HybridModel`)
     checkpoint in Hugging Face format (no torch needed), or a Llama / Qwen2 / Qwen3 GGUF file
     (`path` ending in .gguf: dequantized to `dtype`, see `specjax.checkpoint_gguf`).
@@ -194,13 +194,16 @@ def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invari
 
     `invariant`: the batch-invariant attention (`specjax.invariant`; attention impl "invariant").
     With bfloat16 / int8 weights a speculative run then equals AR at the same weights token for
-    token, trees included; it costs (SmolLM2 int8 AR 16.0 against 49.2 tokens/s,
-    `bench/bench_smollm2_w_int8_invariant_code_b1.md`, design §17).
+    token, trees included. None (the default): on exactly when `weights` is not float32, so a
+    quantised target's speculative output is its own AR output unless `invariant=False` is asked
+    for (then the greedy check reports the divergence). It costs: SmolLM2 int8 AR 41.0 against
+    49.2 tokens/s (`bench/bench_smollm2_w_int8_invariant_code_b1.md`, design §17).
 
     Also reads `tokenizer.json` when present and refuses a tokenizer whose vocabulary does not
     fit the model's embedding table. Use `load_tokenizer(path)` to get the tokenizer itself.
     """
     quant.check_weights(weights)
+    invariant = weights != "float32" if invariant is None else invariant
     if weights != "float32" and jnp.dtype(dtype) != jnp.float32:
         raise ValueError(f"weights={weights!r} needs dtype float32 activations, not {jnp.dtype(dtype).name}")
     if str(path).endswith(".gguf"):

@@ -12,13 +12,15 @@ module removes the sources of that difference outside the matmuls:
   row for small N and across rows (vectorised) from N = 8, and its dots pick kernels by shape.
   `ordered_sum` sums in one fixed pairwise order (the axis zero-padded to a power of two, then
   halved by explicit adds), which the compiler may not reassociate: every row gets the same bits
-  for any N. `rms_norm` reductions and the invariant attention use it.
-- **Where a query's keys sit.** In AR, token t's keys are the committed prefix and then its
-  ancestors at consecutive slots. In a tree, the ancestors sit at the slots of their nodes, with
-  other branches' slots masked in between. Summing over slots in slot order with masked entries as
-  exact zeros is still not enough (pairwise sums pair different entries). So `attend` first gathers
-  each query's visible slots, in slot order, to the front of a per-query view (`compact`): the
-  prefix, then the ancestors by depth, exactly AR's layout. The sums run over that view.
+  for any N. `rms_normalize` uses it.
+- **Where a query's keys sit, and which kernel sums them.** In AR, token t's keys are the committed
+  prefix and then its ancestors at consecutive slots; in a tree, the ancestors sit at their nodes'
+  slots with other branches masked in between, and a float sum over slots pairs different entries
+  in the two layouts. `attend` makes every sum an exact integer sum instead: q and k as integers
+  of `_levels` (a q.k dot stays under 2^24, exact in float32 in any order, on any BLAS kernel), the
+  softmax weights as integers split into digits whose dot with V's int8 levels stays under 2^24,
+  the normaliser an int32 sum. Masked slots add exact zeros, so the layout, the block and the
+  kernel do not matter, and the dots still run on BLAS.
 - **Elementwise functions evaluated two ways.** XLA:CPU computes `rsqrt` and `exp` (and a fused
   cos / sin) with a vectorised routine in a loop's body and another in its remainder, so an
   element's bits depend on the array's shape. `rms_normalize` divides by a square root (exactly
@@ -27,9 +29,9 @@ module removes the sources of that difference outside the matmuls:
 
 One-query calls are padded to `MIN_QUERIES` = 2 rows (XLA:CPU compiles a one-row fusion
 differently; two rows onwards give every row identical bits). `tests/test_invariant.py` checks
-both properties on this backend. It is opt-in (`specjax.load_model(..., invariant=True)`, attention
-impl "invariant") because it costs: the sums run without BLAS (design §17,
-`bench/bench_smollm2_w_int8_invariant_code_b1.md`).
+both properties on this backend. `specjax.load_model` selects it (attention impl "invariant") by
+default for bfloat16 / int8 weights and not at float32, because it costs (quantising K and V over every slot per call, the bit-built
+`exp`) and changes the attention's numerics to int8-like K / V (design §17).
 
 A leaf module: it imports nothing from specjax.
 """
@@ -68,12 +70,6 @@ def rounded(x):
     return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=22)
 
 
-def bf16_exact(x):
-    """x rounded to bfloat16 precision, held in float32: the product of two such values is exact,
-    so an FMA over it rounds as the separate multiply and add do."""
-    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
-
-
 def rms_normalize(x32, eps: float):
     """x32 / sqrt(mean(x32 ** 2) + eps) over the last axis: the squares `rounded`, the sum in
     `ordered_sum`'s order, and a square root and a division where `rsqrt` would take XLA:CPU's
@@ -105,38 +101,61 @@ def exp(x):
     return jnp.where(small, 0.0, p * two_k)
 
 
-def compact(visible_BxTxC):
-    """Each query's visible slots, in slot order, moved to the front: (slot_BxTxC, valid_BxTxC) with
-    slot[b, t, j] the j-th visible slot of query t and valid[b, t, j] = j < its count."""
-    C = visible_BxTxC.shape[-1]
-    slot_BxTxC = jnp.argsort(~visible_BxTxC, axis=-1, stable=True).astype(jnp.int32)
-    count_BxT = jnp.sum(visible_BxTxC, axis=-1, dtype=jnp.int32)
-    return slot_BxTxC, jnp.arange(C, dtype=jnp.int32)[None, None, :] < count_BxT[..., None]
+_F32_EXACT = 1 << 24  # every integer of magnitude up to 2^24 is a float32: sums of such stay exact in any order
+_V_LEVELS = 127  # V per slot and head: integers in [-127, 127] times a scale
+_W_BITS = 14  # the softmax weights: integers in [0, 2^14 - 1] times a scale
 
 
-def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, slot_BxTxC, valid_BxTxC) -> jax.Array:
-    """Softmax attention of T queries over their compacted views (`compact`), every sum in
-    `ordered_sum`'s order; equals `specjax.attention.attend` up to float rounding (GQA: H = K * G)."""
+def _levels(x, axis: int, levels: int):
+    """(x as integer-valued float32 in [-levels, levels], its scale along `axis` kept): symmetric
+    absmax quantisation (max and division are exactly rounded: the same bits in any shape)."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / levels, 1.0)
+    return jnp.clip(jnp.round(x / scale), -levels, levels), scale
+
+
+def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
+    """Softmax attention whose sums are exact integers, so a query's result has the same bits
+    whatever the block, the tree layout, the slot order or the kernel: q and k as integers of
+    `_levels` (9 bits each at D = 64: a q.k dot stays under 2^24, exact in float32 in any order and
+    on any BLAS kernel), the scores' max order-free, `exp` bit-built, the weights e_c * v_scale_c /
+    v_scale_max as `_W_BITS`-bit integers split into base-2^b digits with 2^b * 127 * C < 2^24 (one
+    float32 matmul per digit against V as int8 levels: exact), the normaliser an int32 sum. Masked
+    slots give exact zeros, so no view needs gathering. Equals `specjax.attention.attend` to the
+    quantisation of q, k, v (per slot and head) and the weights (GQA: H = K * G)."""
     B, T, H, D = q_BxTxHxD.shape
+    C, K = k_BxCxKxD.shape[1], k_BxCxKxD.shape[2]
+    G = H // K
     if T < MIN_QUERIES:  # pad with copies of the last query (sliced off below)
         n = MIN_QUERIES - T
         q_BxTxHxD = jnp.concatenate([q_BxTxHxD] + [q_BxTxHxD[:, -1:]] * n, axis=1)
-        slot_BxTxC = jnp.concatenate([slot_BxTxC] + [slot_BxTxC[:, -1:]] * n, axis=1)
-        valid_BxTxC = jnp.concatenate([valid_BxTxC] + [valid_BxTxC[:, -1:]] * n, axis=1)
+        visible_BxTxC = jnp.concatenate([visible_BxTxC] + [visible_BxTxC[:, -1:]] * n, axis=1)
     Tp = q_BxTxHxD.shape[1]
-    K = k_BxCxKxD.shape[2]
-    G = H // K
-    # Operands in bfloat16: a product of two is exact in float32, so an add fused with it into an
-    # FMA rounds the same as one that is not (XLA:CPU fuses in some shapes and not in others).
-    q_BxTxKxGxD = bf16_exact(q_BxTxHxD.reshape(B, Tp, K, G, D) / math.sqrt(D))  # scaled first: s is a plain sum
-    take = jax.vmap(lambda a_CxKxD, s_TxC: a_CxKxD[s_TxC])  # per row: [T, C, K, D] in view order
-    k_BxTxCxKxD = take(bf16_exact(k_BxCxKxD), slot_BxTxC)
-    v_BxTxCxKxD = take(bf16_exact(v_BxCxKxD), slot_BxTxC)
-    s_BxTxCxKxG = ordered_sum(q_BxTxKxGxD[:, :, None] * k_BxTxCxKxD[:, :, :, :, None], -1)[..., 0]
-    valid = valid_BxTxC[..., None, None]
-    m = jnp.max(jnp.where(valid, s_BxTxCxKxG, -jnp.inf), axis=2, keepdims=True)  # max: order-free
-    e = jnp.where(valid, exp(jnp.where(valid, s_BxTxCxKxG - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)), 0.0)
-    z = ordered_sum(e, 2)
-    p_BxTxCxKxG = bf16_exact(e / jnp.where(z > 0, z, 1.0))  # rows with nothing visible give 0
-    o_BxTxKxGxD = ordered_sum(p_BxTxCxKxG[..., None] * v_BxTxCxKxD[:, :, :, :, None], 2)[:, :, 0]
-    return o_BxTxKxGxD.reshape(B, Tp, H, D)[:, :T].astype(v_BxCxKxD.dtype)
+    hi = jax.lax.Precision.HIGHEST  # plain float32 products (no TF32 / bf16 passes on accelerators)
+    qk_levels = int(math.isqrt(_F32_EXACT // D)) - 1
+    qi_BxTxKxGxD, qs_BxTxKxGx1 = _levels(q_BxTxHxD.astype(jnp.float32).reshape(B, Tp, K, G, D), -1, qk_levels)
+    ki_BxCxKxD, ks_BxCxKx1 = _levels(k_BxCxKxD.astype(jnp.float32), -1, qk_levels)
+    acc_BxKxTxGxC = jnp.einsum("btkgd,bckd->bktgc", qi_BxTxKxGxD, ki_BxCxKxD, precision=hi)  # exact integers
+    qs_BxKxTxGx1 = jnp.transpose(qs_BxTxKxGx1, (0, 2, 1, 3, 4)) / math.sqrt(D)
+    ks_Bx1x1x1xC = jnp.transpose(ks_BxCxKx1, (0, 2, 3, 1))[:, :, :, None, :].reshape(B, K, 1, 1, C)
+    s = rounded(acc_BxKxTxGxC * qs_BxKxTxGx1 * ks_Bx1x1x1xC)  # rounded: no FMA with the subtraction below
+    valid = visible_BxTxC[:, None, :, None, :]  # [B, 1, T, 1, C]
+    m = jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True)
+    e = jnp.where(valid, exp(jnp.where(valid, s - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)), 0.0)  # [0, 1]
+    vi_BxCxKxD, vs_BxCxKx1 = _levels(v_BxCxKxD.astype(jnp.float32), -1, _V_LEVELS)
+    vs_BxKx1x1xC = jnp.transpose(vs_BxCxKx1, (0, 2, 3, 1)).reshape(B, K, 1, 1, C)
+    vmax = jnp.max(jnp.where(valid, vs_BxKx1x1xC, 0.0), axis=-1, keepdims=True)
+    wq = float((1 << _W_BITS) - 1)
+    w_int = jnp.round(e * (vs_BxKx1x1xC / jnp.where(vmax > 0, vmax, 1.0)) * wq).astype(jnp.int32)
+    z = jnp.sum(jnp.round(e * wq).astype(jnp.int32), axis=-1, keepdims=True)  # an int32 sum: exact
+    b = max(1, int(math.log2(_F32_EXACT / (_V_LEVELS * C))))  # digit bits: a digit's dot over C slots < 2^24
+    n = -(-_W_BITS // b)
+    digits = jnp.concatenate([((w_int >> (b * i)) & ((1 << b) - 1)).astype(jnp.float32)  # least significant first
+                              for i in range(n)], axis=3)  # [B, K, T, n * G, C]: one matmul reads V once
+    parts = jnp.einsum("bktgc,bckd->btkgd", digits, vi_BxCxKxD, precision=hi)  # exact integers
+    out = parts[:, :, :, (n - 1) * G:]
+    for i in reversed(range(n - 1)):  # x * 2^b is exact: an FMA rounds as a multiply and an add do
+        out = out * float(1 << b) + parts[:, :, :, i * G:(i + 1) * G]
+    scale = jnp.transpose(vmax / jnp.where(z > 0, z, 1).astype(jnp.float32), (0, 2, 1, 3, 4))  # [B, T, K, G, 1]
+    out = jnp.where(jnp.transpose(z, (0, 2, 1, 3, 4)) > 0, out * scale, 0.0)
+    return out.reshape(B, Tp, H, D)[:, :T].astype(v_BxCxKxD.dtype)

@@ -84,8 +84,12 @@ def test_int8_hybrid_forward():
 
 
 def test_load_model_weights_option(llama):
-    assert specjax.load_model(llama.path, weights="bfloat16", invariant=True).attention_impl == "invariant"
+    # the batch-invariant attention is on by default at bf16 / int8 (exact speculation), off at float32
+    assert specjax.load_model(llama.path, weights="bfloat16").attention_impl == "invariant"
+    assert getattr(specjax.load_model(llama.path, weights="bfloat16", invariant=False), "attention_impl", "jnp") != "invariant"
+    assert getattr(specjax.load_model(llama.path), "attention_impl", "jnp") != "invariant"
     q = specjax.load_model(llama.path, weights="int8")
+    assert q.attention_impl == "invariant"
     assert q.layers[0].mlp.up_proj.weight[...].dtype == jnp.int8
     assert q.layers[0].mlp.up_proj.scale[...].shape == (llama.jx.config.intermediate_size,)
     assert q.lm_head.weight[...].dtype == jnp.int8  # untied head

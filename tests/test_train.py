@@ -690,3 +690,30 @@ def test_block_backbone_starts_from_a_hybrid_targets_attention_layers():
         np.testing.assert_array_equal(np.asarray(layer.mlp.up_proj.weight[...]), np.asarray(src.mlp.up_proj.weight[...]))
     with pytest.raises(ValueError, match="attention layers"):
         block.start_from_target(Bk.BlockHead(dataclasses.replace(hcfg, num_layers=3), nnx.Rngs(0)), target)
+
+
+def test_unrolled_loss_from_a_sparse_top_k_equals_the_dense_one():
+    """The feature / MTP trainers take a cache's top-k sparsely (no [B, T, V] target): the same loss
+    and agreement as the dense renormalised top-k, over the full and over a reduced draft vocabulary."""
+    from train import drafter_run, target_cache
+    rng = np.random.default_rng(0)
+    K, B, T, V, k = 3, 2, 12, 40, 6
+    z = jnp.asarray(rng.normal(size=(K, B, T, V)), jnp.float32)
+    tl = rng.normal(size=(B, T, V)) * 2
+    ids = np.argsort(-tl, -1)[..., :k].astype(np.int32)
+    logp = np.take_along_axis(tl - np.log(np.exp(tl).sum(-1, keepdims=True)), ids, -1).astype(np.float16)
+    dense = target_cache.dense_logits(jnp.asarray(ids), jnp.asarray(logp), V)
+    ref, (ref_l, ref_a) = drafter_run.unrolled_loss(z, dense, 0.8)
+    got, (got_l, got_a) = drafter_run.unrolled_loss(z, (jnp.asarray(ids), jnp.asarray(logp)), 0.8)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_l), np.asarray(ref_l), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_a), np.asarray(ref_a))
+    vocab_ids = jnp.asarray(np.sort(rng.permutation(V)[:30]))  # some top-k tokens fall outside
+    dense_n = dense[..., vocab_ids]
+    ok = np.isfinite(np.asarray(dense_n)).any(-1).all()
+    assert ok  # every position keeps a token of its top-k inside (the dense reference is defined)
+    ref, (ref_l, ref_a) = drafter_run.unrolled_loss(z[..., :30], dense_n, 0.8)
+    got, (got_l, got_a) = drafter_run.unrolled_loss(
+        z[..., :30], drafter_run.draft_vocab_topk(jnp.asarray(ids), jnp.asarray(logp), vocab_ids, V), 0.8)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_a), np.asarray(ref_a))

@@ -497,9 +497,9 @@ def main(argv=None):
     ap.add_argument("--llama-cpp", default=None, metavar="FILE.gguf",
                     help="also llama.cpp (llama-cpp-python) on this GGUF: greedy and prompt lookup, batch 1, speed only")
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads of the --hf rows (default 1)")
-    ap.add_argument("--invariant", action="store_true",
-                    help="the target's batch-invariant attention (load_model(invariant=True)): bf16 / int8 rows "
-                         "then equal AR token for token, at a cost")
+    ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the target's batch-invariant attention (load_model(invariant=...)): bf16 / int8 rows then "
+                         "equal AR token for token, at a cost. Default: on with --weights bfloat16 / int8, off at float32")
     ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
                     help="the target's weight storage (load_model(weights=...)); every row, AR included, runs at it, "
                          "so the greedy check compares with AR at the same dtype")
@@ -631,7 +631,8 @@ def main(argv=None):
     meta = run_meta("bench", argv, setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
                     kind="random" if args.smoke else args.kind, n_prompts=len(flat), new_tokens=args.new_tokens,
                     batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
-                    dspark_threshold=args.dspark_threshold, weights=args.weights, invariant=args.invariant)
+                    dspark_threshold=args.dspark_threshold, weights=args.weights,
+                    invariant=args.weights != "float32" if args.invariant is None else args.invariant)
     md = write_bench_outputs(rows, meta, Path(args.out))
     Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:

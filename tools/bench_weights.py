@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chat-prompts", default=str(REPO / "bench/prompts/chat.jsonl"))
+    ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the batch-invariant attention at bf16 / int8 (load_model(invariant=...)); default: "
+                         "load_model's (on for bf16 / int8)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target: checks the tool, measures nothing")
     ap.add_argument("--out", default=str(REPO / "bench/bench_weights"))
     args = ap.parse_args(argv)
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     else:
         if not Path(args.target).is_dir():
             ap.error(f"{args.target}: no such model directory (SmolLM2: make smollm2)")
-        load = lambda w: specjax.load_model(args.target, weights=w)  # noqa: E731
+        load = lambda w: specjax.load_model(args.target, weights=w, invariant=args.invariant)  # noqa: E731
 
     bandwidth = None if args.smoke else stream_bandwidth()
     rows, ref = [], {}

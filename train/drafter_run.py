@@ -136,28 +136,57 @@ def check_batch(batch_size: int, mesh) -> None:
 
 # ----------------------------------------------------------------------------- unrolled drafters (feature, MTP)
 
-def unrolled_loss(logits_KxBxTxV, target_logits_BxTxV, decay: float, tokens_BxT=None):
+def unrolled_loss(logits_KxBxTxV, target, decay: float, tokens_BxT=None):
     """The loss of K unrolled draft steps (training-time test): step k at anchor a predicts token
     a+k+1, whose target distribution sits at position a+k; soft cross-entropy to the frozen target's
     distribution, or with `tokens_BxT` cross-entropy on the data's own token a+k+1. Steps weighted by
     `decay ** (k - 1)`. Returns (weighted loss, (per-step loss [K], per-step top-1 agreement with
-    the target [K]))."""
+    the target [K])).
+
+    `target`: the target's logits [B, T, V], or an offline cache's top-k as (ids [B, T, k], log-probs
+    [B, T, k]), the distribution renormalised over them: then the cross-entropy is taken sparsely,
+    logsumexp(z) - sum_j p_j z[id_j], with no [B, T, V] target built; an id of -1 is left out (a
+    token outside a reduced draft vocabulary: `draft_vocab_topk`)."""
     K, B, T = logits_KxBxTxV.shape[:3]
-    p_target = jax.nn.softmax(target_logits_BxTxV, axis=-1)  # [B, T, V]: token t+1
+    if isinstance(target, tuple):
+        ids_BxTxk, logp_BxTxk = target
+        ids_BxTxk, logp_BxTxk = ids_BxTxk.astype(jnp.int32), logp_BxTxk.astype(jnp.float32)
+        inside = ids_BxTxk >= 0
+        p_BxTxk = jnp.where(inside, jax.nn.softmax(jnp.where(inside, logp_BxTxk, -1e30), axis=-1), 0.0)
+        first_BxT = jnp.argmax(inside, axis=-1)  # the target's top-1 inside the vocabulary (the top-k is sorted)
+        top_BxT = jnp.where(inside.any(-1), jnp.take_along_axis(ids_BxTxk, first_BxT[..., None], -1)[..., 0], -1)
+        any_BxT = inside.any(-1)
+    else:
+        p_target = jax.nn.softmax(target, axis=-1)  # [B, T, V]: token t+1
     losses, agree = [], []
     for k in range(1, K + 1):
-        tgt = jnp.roll(p_target, -k, axis=1)
+        z = logits_KxBxTxV[k - 1]
         valid = (jnp.arange(T) + k < T)[None] * jnp.ones((B, 1))
-        if tokens_BxT is None:
-            ce = optax.softmax_cross_entropy(logits_KxBxTxV[k - 1], tgt)
+        if tokens_BxT is not None:
+            ce = optax.softmax_cross_entropy_with_integer_labels(z, jnp.roll(tokens_BxT, -k - 1, axis=1))
+        elif isinstance(target, tuple):
+            ids, p = jnp.roll(ids_BxTxk, -k, axis=1), jnp.roll(p_BxTxk, -k, axis=1)
+            picked = jnp.take_along_axis(z, jnp.maximum(ids, 0), axis=-1).astype(jnp.float32)
+            ce = jax.nn.logsumexp(z.astype(jnp.float32), axis=-1) - jnp.sum(p * picked, axis=-1)
+            valid = valid * jnp.roll(any_BxT, -k, axis=1)
         else:
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits_KxBxTxV[k - 1], jnp.roll(tokens_BxT, -k - 1, axis=1))
-        losses.append(jnp.sum(ce * valid) / jnp.sum(valid))
-        hit = jnp.argmax(logits_KxBxTxV[k - 1], -1) == jnp.argmax(tgt, -1)
-        agree.append(jnp.sum(hit * valid) / jnp.sum(valid))
+            ce = optax.softmax_cross_entropy(z, jnp.roll(p_target, -k, axis=1))
+        losses.append(jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1))
+        if isinstance(target, tuple):
+            hit = jnp.argmax(z, -1) == jnp.roll(top_BxT, -k, axis=1)
+        else:
+            hit = jnp.argmax(z, -1) == jnp.argmax(jnp.roll(p_target, -k, axis=1), -1)
+        agree.append(jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1))
     losses, agree = jnp.stack(losses), jnp.stack(agree)
     weights = decay ** jnp.arange(K)
     return jnp.sum(weights * losses) / jnp.sum(weights), (losses, agree)
+
+
+def draft_vocab_topk(ids_BxTxk, logp_BxTxk, vocab_ids_N, vocab_size: int):
+    """A cached top-k over a reduced draft vocabulary: the ids as draft-vocabulary slots, -1 where a
+    token is outside it (`unrolled_loss` leaves those out and renormalises over the rest)."""
+    inv = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_N].set(jnp.arange(vocab_ids_N.shape[0], dtype=jnp.int32))
+    return inv[ids_BxTxk.astype(jnp.int32)], logp_BxTxk
 
 
 def unrolled_steps(cfg, loss_of, init_params, rules):

@@ -24,7 +24,7 @@ from flax import nnx
 from specjax.checkpoint import load_model
 from specjax.drafters import feature as F, vocab as vocab_lib
 from specjax.models import family, transformer
-from train import drafter_run, target_cache
+from train import drafter_run
 from train.lm import REPO, _resolve
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +85,15 @@ def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None,
         feats, t_logits = jax.lax.stop_gradient(F.target_features(out)), jax.lax.stop_gradient(out.logits)
     else:
         feats = cached["features"].astype(head.fc.weight.dtype)
-        t_logits = target_cache.dense_logits(cached["topk_ids"], cached["topk_logp"], head.config.vocab_size)
+        t_logits = (cached["topk_ids"], cached["topk_logp"])  # sparse: no [B, T, V] target is built
     if vocab_ids is None:
         logits = F.ttt_logits(head, target, tokens_BxT, feats, steps)  # [K, B, T, V]
         return drafter_run.unrolled_loss(logits, t_logits, decay)
     rows = jax.lax.stop_gradient(vocab_lib.head_rows(target, vocab_ids))  # [N, E]
     logits = F.ttt_logits(head, target, tokens_BxT, feats, steps, rows)  # [K, B, T, N]
-    return drafter_run.unrolled_loss(logits, t_logits[..., vocab_ids], decay)
+    t_logits = (drafter_run.draft_vocab_topk(*t_logits, vocab_ids, head.config.vocab_size) if cached is not None
+                else t_logits[..., vocab_ids])
+    return drafter_run.unrolled_loss(logits, t_logits, decay)
 
 
 def start_from_target(head: F.FeatureHead, target) -> None:

@@ -31,7 +31,7 @@ from flax import nnx
 from specjax.checkpoint import load_model, load_tokenizer
 from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
-from train import drafter_run, target_cache
+from train import drafter_run
 from train.lm import REPO, _resolve, load_streams_for
 
 LOSSES = ("distill", "tokens")
@@ -91,7 +91,7 @@ def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss
         feats, t_logits = out.hidden[0], out.logits
     else:
         feats = cached["features"].astype(head.fc.weight.dtype)
-        t_logits = target_cache.dense_logits(cached["topk_ids"], cached["topk_logp"], head.config.vocab_size)
+        t_logits = (cached["topk_ids"], cached["topk_logp"])  # sparse: no [B, T, V] target is built
     h = jax.lax.stop_gradient(M.target_hidden(target, feats))
     logits = M.ttt_logits(head, target, tokens_BxT, h, steps)  # [K, B, T, V]
     return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay,

@@ -11,7 +11,7 @@ The matmuls (design §17):
   the result is rescaled by the row's scale times the weight's channel scale. An integer sum
   does not depend on the order it is taken in. So a row's output is bit-identical however many
   rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
-  the rest of the forward must be batch-invariant too: `load_model(..., invariant=True)` selects
+  the rest of the forward must be batch-invariant too: `load_model(..., invariant=None)` selects it by default at bf16 / int8:
   `specjax.invariant`'s attention (design §17). The outputs here are `invariant.rounded`.
   (bfloat16 gets the matmul's property from the padding below, on XLA:CPU with oneDNN;
   `tests/test_quant.py` checks it.)

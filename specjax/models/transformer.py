@@ -237,7 +237,7 @@ ATTENTION_IMPLS = attention_lib.IMPLS
 def set_attention_impl(model: Model, impl: str) -> Model:
     """Selects how `forward` computes attention for this model (returns the model, changed in place):
     "jnp" (the default: `attend` over `kvcache.visible_mask`), "invariant" (its batch-invariant
-    form, `specjax.invariant`: what `load_model(..., invariant=True)` selects), or the Pallas tree-attention kernel
+    form, `specjax.invariant`: what `load_model` selects at bf16 / int8 weights), or the Pallas tree-attention kernel
     via `pallas_kernels.ops.tree_attention` with impl "auto" (Triton on NVIDIA GPUs, interpret mode
     on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
     so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
