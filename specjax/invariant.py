@@ -148,7 +148,10 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     wq = float((1 << _W_BITS) - 1)
     w_int = jnp.round(e * (vs_BxKx1x1xC / jnp.where(vmax > 0, vmax, 1.0)) * wq).astype(jnp.int32)
     z = jnp.sum(jnp.round(e * wq).astype(jnp.int32), axis=-1, keepdims=True)  # an int32 sum: exact
-    b = max(1, int(math.log2(_F32_EXACT / (_V_LEVELS * C))))  # digit bits: a digit's dot over C slots < 2^24
+    if 2 * _V_LEVELS * C > _F32_EXACT:
+        raise ValueError(f"the batch-invariant attention sums exactly over at most {_F32_EXACT // (2 * _V_LEVELS)} "
+                         f"cache slots; this cache has {C}")
+    b = int(math.log2(_F32_EXACT / (_V_LEVELS * C)))  # digit bits: a digit's dot over C slots stays under 2^24
     n = -(-_W_BITS // b)
     digits = jnp.concatenate([((w_int >> (b * i)) & ((1 << b) - 1)).astype(jnp.float32)  # least significant first
                               for i in range(n)], axis=3)  # [B, K, T, n * G, C]: one matmul reads V once

@@ -94,3 +94,10 @@ def test_quantized_tree_verify_equals_ar_bit_for_bit(weights):
             out = step(tok[:, j], c)
             c = out.cache
         np.testing.assert_array_equal(np.asarray(out.logits[0, 0]), np.asarray(ver.logits[0, i]), err_msg=f"node {i}")
+
+
+def test_invariant_attention_refuses_a_cache_too_long_to_sum_exactly():
+    q = jnp.zeros((1, 1, 2, 4))
+    kv = jax.ShapeDtypeStruct((1, 70000, 1, 4), jnp.float32)
+    with pytest.raises(ValueError, match="at most 66052 cache slots"):
+        jax.eval_shape(invariant.attend, q, kv, kv, jax.ShapeDtypeStruct((1, 1, 70000), jnp.bool_))
