@@ -56,12 +56,13 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
         w, setting = m.get("weights", "float32"), (m["kind"], m["batch"])
         greedy = [r for r in run["rows"] if r.get("temperature", 0) == 0 and "tokens_per_s" in r]
         picks = []
+        wl = w + (", batch-invariant attention" if m.get("invariant") else "")  # exact speculation at bf16 / int8
         for kind in ("ar", "learned", "ngram"):
             cand = [r for r in greedy if _kind(r["method"]) == kind]
             if cand:
                 best = max(cand, key=lambda r: r["tokens_per_s"])
                 label = {"ar": "our AR", "learned": "our best learned drafter", "ngram": "our n-gram"}[kind]
-                picks.append((f"{label} ({w}): {best['method']}" if kind != "ar" else f"{label} ({w})", best, fwd_mb.get(w)))
+                picks.append((f"{label} ({wl}): {best['method']}" if kind != "ar" else f"{label} ({wl})", best, fwd_mb.get(w)))
         if w == "float32":  # the peers ran beside the float32 rows
             for r in run["rows"]:
                 if _kind(r["method"]) == "peer":
