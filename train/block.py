@@ -27,7 +27,7 @@ drafter's parameters (a DSpark run; the reader fresh; its digest pinned in the r
 Issue 43's recipe: `cache` names an offline target cache (`train.target_cache`: the target's features
 and top-k next-token distribution per position, built once), so a step runs the drafter only (the
 distillation target is the top-k renormalised); `deepspec_loss` takes CE, L1 and BCE as DeepSpec's
-position-weighted means; `init_from_target` starts the backbone from the target's top layers with
+position-weighted means; `init_from_target` starts the backbone from the target's top attention layers with
 `fc` passing the last read feature through.
 
 Same machinery as `train.feature`: optax AdamW with warm-up + cosine, gradient clipping, an orbax

@@ -231,7 +231,8 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
             lines.append(f"Offline target cache `{cfg['cache']}` (not on this machine: its manifest is not recorded here).")
     if cfg.get("init_from_target"):
         lines.append("Initialised from the target (`init_from_target`): the decoder layers from the target's top "
-                     "layers, `fc` passing the last read layer's feature through.")
+                     "attention layers (a hybrid's full-attention layers: the query half of the gated q_proj, "
+                     "its (1 + w) norms as scales), `fc` passing the last read layer's feature through.")
     if cfg.get("mask_token_id") is not None:
         lines.append(f"MASK slots are the target's embedding of token {cfg['mask_token_id']} (`mask_token_id`, as the "
                      "published DSpark / DFlash layouts: the drafter exports to vLLM's speculators format exactly).")
