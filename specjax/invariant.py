@@ -137,13 +137,13 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     ki_BxCxKxD, ks_BxCxKx1 = _levels(k_BxCxKxD.astype(jnp.float32), -1, qk_levels)
     acc_BxKxTxGxC = jnp.einsum("btkgd,bckd->bktgc", qi_BxTxKxGxD, ki_BxCxKxD, precision=hi)  # exact integers
     qs_BxKxTxGx1 = jnp.transpose(qs_BxTxKxGx1, (0, 2, 1, 3, 4)) / math.sqrt(D)
-    ks_Bx1x1x1xC = jnp.transpose(ks_BxCxKx1, (0, 2, 3, 1))[:, :, :, None, :].reshape(B, K, 1, 1, C)
+    ks_Bx1x1x1xC = jnp.transpose(ks_BxCxKx1[..., 0], (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, C]
     s = rounded(acc_BxKxTxGxC * qs_BxKxTxGx1 * ks_Bx1x1x1xC)  # rounded: no FMA with the subtraction below
     valid = visible_BxTxC[:, None, :, None, :]  # [B, 1, T, 1, C]
     m = jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True)
     e = jnp.where(valid, exp(jnp.where(valid, s - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)), 0.0)  # [0, 1]
     vi_BxCxKxD, vs_BxCxKx1 = _levels(v_BxCxKxD.astype(jnp.float32), -1, _V_LEVELS)
-    vs_BxKx1x1xC = jnp.transpose(vs_BxCxKx1, (0, 2, 3, 1)).reshape(B, K, 1, 1, C)
+    vs_BxKx1x1xC = jnp.transpose(vs_BxCxKx1[..., 0], (0, 2, 1))[:, :, None, None, :]
     vmax = jnp.max(jnp.where(valid, vs_BxKx1x1xC, 0.0), axis=-1, keepdims=True)
     wq = float((1 << _W_BITS) - 1)
     w_int = jnp.round(e * (vs_BxKx1x1xC / jnp.where(vmax > 0, vmax, 1.0)) * wq).astype(jnp.int32)
