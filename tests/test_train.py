@@ -414,7 +414,8 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     from specjax.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from specjax.models import transformer
-    from train import block, target_cache
+    from specjax.drafters import vocab as vocab_lib
+    from train import block, drafter_run, model_card, target_cache
 
     target_dir = str(full_run["export"])
     streams = lm.load_streams_for(load_tokenizer(target_dir), str(zoo["manifest"]), str(zoo["root"]), None, None)
@@ -462,8 +463,13 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     f_online = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps)[0]
     f_offline = feature.ttt_loss(fhead, target, toks, fcfg.depth_decay, fcfg.ttt_steps, cached=cached)[0]
     np.testing.assert_allclose(float(f_offline), float(f_online), rtol=2e-2)
-    fstate = feature.train(dataclasses.replace(fcfg, cache=str(out), init_from_target=True), zoo["base"] / "feat-cache",
-                           progress=False)
+    # a reduced draft vocabulary over a cache is ranked on the cache's windows (what the run trains on)
+    np.testing.assert_array_equal(cache.tokens(), target_cache.windows_of(streams.train, 32, 10).reshape(-1))
+    vcfg = dataclasses.replace(fcfg, cache=str(out), init_from_target=True, draft_vocab=48)
+    ranking, ids = drafter_run.draft_ranking(vcfg, streams.validation, target_dir)
+    np.testing.assert_array_equal(ranking, vocab_lib.token_ranking(cache.tokens(), target.config.vocab_size))
+    assert ids == tuple(int(i) for i in ranking[:48])
+    fstate = feature.train(vcfg, zoo["base"] / "feat-cache", progress=False)
     assert int(fstate["step"]) == 2
     _, _, _, _, _, tinit = feature._fns(dataclasses.replace(fcfg, init_from_target=True), target_dir)
     thead = nnx.merge(head_def, tinit()["params"])  # the feature half of q from the target's top layer
@@ -484,7 +490,22 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     m_online = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps)[0]
     m_offline = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps, cached=mcached)[0]
     np.testing.assert_allclose(float(m_offline), float(m_online), rtol=2e-2)
-    assert int(mtp.train(dataclasses.replace(mcfg, cache=str(out)), zoo["base"] / "mtp-cache", progress=False)["step"]) == 2
+    # the reduced draft vocabulary in training: the online loss at step 0 over those tokens, then a cached run
+    # whose export ships the cache's ranking, and drafts losslessly with it
+    vids = jnp.asarray(ranking[:48])
+    m_online = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps, vocab_ids=vids)[0]
+    m_offline = mtp.mtp_loss(mhead, target, toks, mcfg.depth_decay, mcfg.ttt_steps, cached=mcached, vocab_ids=vids)[0]
+    np.testing.assert_allclose(float(m_offline), float(m_online), rtol=2e-2)
+    mvcfg = dataclasses.replace(mcfg, cache=str(out), draft_vocab=48)
+    assert int(mtp.train(mvcfg, zoo["base"] / "mtp-cache", zoo["base"] / "mtp-cache-export", progress=False)["step"]) == 2
+    np.testing.assert_array_equal(vocab_lib.read_ranking(str(zoo["base"] / "mtp-cache-export"), target.config.vocab_size),
+                                  ranking)
+    assert "Reduced draft vocabulary" in model_card.mtp_card(zoo["base"] / "mtp-cache-export")[0]
+    mdrafter = load_drafter(str(zoo["base"] / "mtp-cache-export"), target, target_path=target_dir, draft_vocab=48)
+    assert (specjax.generate(target, [[EOT_ID, 5, 9, 14]], max_new_tokens=8, drafters=[mdrafter], tree="chain=3").sequences()
+            == specjax.generate(target, [[EOT_ID, 5, 9, 14]], max_new_tokens=8).sequences())
+    with pytest.raises(ValueError, match="needs loss"):
+        dataclasses.replace(mcfg, loss="tokens", draft_vocab=48)
     cfg = dataclasses.replace(cfg, cache=str(out), steps=4, eval_every=4)
     state = block.train(cfg, zoo["base"] / "blk-cache", zoo["base"] / "blk-cache-export", progress=False)
     assert int(state["step"]) == 4

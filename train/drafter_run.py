@@ -310,9 +310,13 @@ def train_stream(cfg, run_dir, streams=None) -> np.ndarray:
 
 def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int, ...] | None]:
     """(ranking of all V tokens by count in the training stream, the first `cfg.draft_vocab` of it) for
-    a config with a reduced draft vocabulary (EAGLE-3's d2t); (None, None) without one."""
+    a config with a reduced draft vocabulary (EAGLE-3's d2t); (None, None) without one. A config with
+    an offline cache ranks the cache's windows (what it trains on: the target's own continuations
+    included), not `stream`."""
     if not getattr(cfg, "draft_vocab", None):
         return None, None
+    if getattr(cfg, "cache", None):
+        stream = target_cache.TargetCache(_resolve(cfg.cache)).tokens()
     from specjax.drafters import vocab as vocab_lib
     ranking = vocab_lib.token_ranking(stream, load_model(str(target_dir)).config.vocab_size)
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])

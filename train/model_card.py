@@ -287,6 +287,8 @@ def mtp_card(model_dir: Path) -> tuple[str, dict]:
     tokens = cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
     objective = ("soft cross-entropy to the frozen target's distribution of the predicted token" if cfg["loss"] == "distill"
                  else "cross-entropy on the data's own token")
+    run_dir = info.get("run_dir") or f"runs/{name}"
+    command = f"python -m train.mtp --config configs/{name}.json --run-dir {run_dir} --export models/{name}"
     card = f"""# {name}
 
 Multi-token-prediction module for `{cfg['target']}` (`specjax/drafters/mtp.py`, design §5f):
@@ -315,10 +317,10 @@ only (shapes checked; given `target_path`, the target weights too, against the d
 | top-1 agreement with the target | {fmt(final['val_agree'])} |
 
 Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
-
+{_feature_extras(cfg)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
-python -m train.mtp --config configs/{name}.json --run-dir runs/{name} --export models/{name}
+{command}
 python -m train.model_card --model models/{name}
 ```
 """

@@ -65,10 +65,16 @@ class MTPTrainConfig:
     cache: str | None = None
     # Start the MTP layers from the target's top attention layer, fc passing h through (`start_from_target`).
     init_from_target: bool = False
+    # EAGLE-3's reduced draft vocabulary in training: the head is trained on the N most frequent tokens of
+    # the training stream (the cache's windows where there is one), the target's distribution
+    # renormalised over them; the export's ranking is that one. None: all V (the ranking: the corpus's).
+    draft_vocab: int | None = None
 
     def __post_init__(self):
         if self.loss == "tokens" and self.cache:
             raise ValueError('loss "tokens" reads the data\'s tokens; with a cache use loss "distill"')
+        if self.loss == "tokens" and self.draft_vocab:
+            raise ValueError('loss "tokens" predicts any token; a reduced draft_vocab needs loss "distill"')
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r}: expected one of {LOSSES}")
         if self.num_layers < 1 or self.ttt_steps < 1:
@@ -80,9 +86,10 @@ def load_config(path) -> MTPTrainConfig:
 
 
 def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss: str = "distill",
-             cached: dict | None = None):
+             cached: dict | None = None, vocab_ids=None):
     """(weighted loss, (per-step loss [K], per-step top-1 agreement with the target [K])). `cached`: the
-    batch's offline target cache (the last layer's output, the top-k), in place of the target's pass."""
+    batch's offline target cache (the last layer's output, the top-k), in place of the target's pass.
+    `vocab_ids` [N]: a reduced draft vocabulary (the loss and the agreement over those tokens)."""
     B, T = tokens_BxT.shape
     if cached is None:
         fam = family(target)
@@ -93,6 +100,12 @@ def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss
         feats = cached["features"].astype(head.fc.weight.dtype)
         t_logits = (cached["topk_ids"], cached["topk_logp"])  # sparse: no [B, T, V] target is built
     h = jax.lax.stop_gradient(M.target_hidden(target, feats))
+    if vocab_ids is not None:
+        rows = jax.lax.stop_gradient(vocab.head_rows(target, vocab_ids))  # [N, E]
+        logits = M.ttt_logits(head, target, tokens_BxT, h, steps, rows)  # [K, B, T, N]
+        t_logits = (drafter_run.draft_vocab_topk(*t_logits, vocab_ids, head.config.vocab_size) if cached is not None
+                    else t_logits[..., vocab_ids])
+        return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay)
     logits = M.ttt_logits(head, target, tokens_BxT, h, steps)  # [K, B, T, V]
     return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay,
                                      tokens_BxT if loss == "tokens" else None)
@@ -115,7 +128,7 @@ def start_from_target(head: M.MTPHead, target) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: MTPTrainConfig, target_dir: str):
+def _fns(cfg: MTPTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
     target = load_model(target_dir)
     hcfg = M.MTPConfig.for_target(target.config, cfg.num_layers)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: M.MTPHead(hcfg, target.config, nnx.Rngs(0))))
@@ -123,7 +136,7 @@ def _fns(cfg: MTPTrainConfig, target_dir: str):
 
     def loss_of(params, tokens, cached=None):
         return mtp_loss(nnx.merge(head_def, params), nnx.merge(tgt_def, tgt_params), tokens, cfg.depth_decay,
-                        cfg.ttt_steps, cfg.loss, cached)
+                        cfg.ttt_steps, cfg.loss, cached, None if vocab_ids is None else jnp.asarray(vocab_ids))
 
     def init_params():
         head = M.MTPHead(hcfg, target.config, nnx.Rngs(cfg.seed))
@@ -149,11 +162,14 @@ RULES = M.MTPDrafter.partition_rules  # the module's layout on a mesh: its layer
 @drafter_run.on_mesh
 def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
     """Trains (or resumes) the module; exports when finished. `mesh`: as `train.feature`'s."""
-    target, head_def, train_step, eval_step, init = _fns(cfg, str(_resolve(cfg.target)))
+    target_dir = str(_resolve(cfg.target))
+    ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
+                    if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens it trains on
+    target, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
 
     def save(params, d):
         M.save_mtp_head(nnx.merge(head_def, params), str(d))
-        vocab.save_ranking(str(d), training_ranking(cfg, run_dir))
+        vocab.save_ranking(str(d), training_ranking(cfg, run_dir) if ranking is None else ranking)
 
     return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
                                     max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh,

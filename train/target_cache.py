@@ -198,6 +198,10 @@ class TargetCache:
     def positions(self) -> int:
         return len(self) * self.manifest["seq_len"]
 
+    def tokens(self) -> np.ndarray:
+        """Every window's tokens, in order [windows * seq_len] (what a reduced draft vocabulary is ranked on)."""
+        return np.concatenate([np.asarray(sh["tokens"]).reshape(-1) for sh in self.shards])[:self.positions]
+
     def batch(self, idx) -> dict:
         """{tokens [B, T] int32, features [B, T, F] bf16, topk_ids [B, T, k], topk_logp [B, T, k] f32,
         states [L_s, B, G, H, dk, dv] bf16 or None} for windows `idx`."""

@@ -100,7 +100,8 @@ def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, 
          offset_B=None, vocab=None):
     """One MTP pass of layer `layer` (static) over T entries (token, h): (h' [B,T,E], logits [B,T,V],
     cache with the entries' K/V in layer `layer` at slots length + offset ..). `vocab`: (ids [N],
-    LM-head rows [N, E]) of a reduced draft vocabulary (`specjax.drafters.vocab`); None: the full head."""
+    LM-head rows [N, E]) of a reduced draft vocabulary (`specjax.drafters.vocab`), or the rows [N, E]
+    alone for the N logits only (training); None: the full head."""
     fam = family_of(head.target_config)
     e = fam.apply_norm(head.pre_fc_norm_embedding, transformer.embed(target, tokens_BxT))
     x = linear(head.fc, jnp.concatenate([e, fam.apply_norm(head.pre_fc_norm_hidden, h_BxTxE)], axis=-1))
@@ -108,6 +109,8 @@ def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, 
     x, cache = fam.attention_decoder_layer(head.layers[layer], head.target_config, layer, x, positions_BxT, cache,
                                            bound, offset_B)
     h = fam.apply_norm(head.norm, x)
+    if vocab is not None and not isinstance(vocab, tuple):  # rows only: logits over the draft vocabulary [.., N]
+        return h, (h @ vocab.T).astype(jnp.float32), cache
     if vocab is not None:
         return h, vocab_lib.logits(h, *vocab, head.config.vocab_size), cache
     return h, transformer.lm_head(target, h), cache
@@ -133,8 +136,9 @@ def step_all(head: MTPHead, target, tokens_BxT, h_BxTxE, positions_BxT, cache, b
     return out[0], out[1], cache
 
 
-def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int):
-    """Training-time test over a packed sequence, as drafting runs it: logits [steps, B, T, V].
+def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=None):
+    """Training-time test over a packed sequence, as drafting runs it: logits [steps, B, T, V] (with
+    `rows_NxE`, the LM head's rows of a reduced draft vocabulary: [steps, B, T, N] over those tokens).
 
     Step 1 at anchor a is the committed entry (h_a, t_{a+1}) at position a; step k > 1 is (own output
     of step k-1 at anchor a, token a+k) at position a+k-1 through layer (k-1) mod n, and sees that
@@ -158,7 +162,7 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int):
     for j in range(n):  # every layer's committed entries (block j); layer 0's outputs are step 1
         mask = jnp.zeros((T, C), bool).at[:, j * T:(j + 1) * T].set(causal)
         hj, logits, cache = step(head, target, j, tok1, h_BxTxE, pos0, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                 jnp.full((B,), j * T, jnp.int32))
+                                 jnp.full((B,), j * T, jnp.int32), rows_NxE)
         if j == 0:
             h = hj
             out.append(logits)
@@ -170,7 +174,7 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int):
         chain = jnp.asarray(same[slot_block])[None, :] & (slot_anchor[None, :] == idx[:, None])
         mask = chain.at[:, layer * T:(layer + 1) * T].set(causal)
         h, logits, cache = step(head, target, layer, tok, h, pos0 + k - 1, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                jnp.full((B,), block * T, jnp.int32))
+                                jnp.full((B,), block * T, jnp.int32), rows_NxE)
         out.append(logits)
     return jnp.stack(out)
 
