@@ -500,7 +500,10 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     assert int(mtp.train(mvcfg, zoo["base"] / "mtp-cache", zoo["base"] / "mtp-cache-export", progress=False)["step"]) == 2
     np.testing.assert_array_equal(vocab_lib.read_ranking(str(zoo["base"] / "mtp-cache-export"), target.config.vocab_size),
                                   ranking)
-    assert "Reduced draft vocabulary" in model_card.mtp_card(zoo["base"] / "mtp-cache-export")[0]
+    mcard = model_card.mtp_card(zoo["base"] / "mtp-cache-export")[0]
+    top1 = np.concatenate([np.asarray(cache.batch([i])["topk_ids"])[..., 0].ravel() for i in range(len(cache))])
+    share = np.isin(top1, ranking[:48]).mean()
+    assert "Reduced draft vocabulary" in mcard and f"at {share:.1%} of positions" in mcard
     mdrafter = load_drafter(str(zoo["base"] / "mtp-cache-export"), target, target_path=target_dir, draft_vocab=48)
     assert (specjax.generate(target, [[EOT_ID, 5, 9, 14]], max_new_tokens=8, drafters=[mdrafter], tree="chain=3").sequences()
             == specjax.generate(target, [[EOT_ID, 5, 9, 14]], max_new_tokens=8).sequences())

@@ -161,7 +161,7 @@ distribution, on train-split windows of {cfg['seq_len']} tokens (a short-context
 | top-1 agreement with the target | {agree} |
 
 Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
-{_feature_extras(cfg)}{_recipe_section(cfg, info, command)}
+{_feature_extras(cfg, model_dir=model_dir)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
 {_feature_prereqs(cfg)}{command}
@@ -171,7 +171,24 @@ python -m train.model_card --model models/{name}
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
 
 
-def _feature_extras(cfg: dict, block: bool = False) -> str:
+def _vocab_ceiling(cfg: dict, model_dir: Path | None) -> str:
+    """The share of the cache's positions whose target argmax is in the draft vocabulary (the ceiling on
+    agreement it sets), where the run had a cache on this machine and the export ships its ranking."""
+    from specjax.drafters import vocab as vocab_lib
+    from train import target_cache
+    if model_dir is None or not cfg.get("cache") or not (model_dir / vocab_lib.RANKING_FILE).exists():
+        return ""
+    try:
+        cache = target_cache.TargetCache(_resolve(cfg["cache"]))
+    except ValueError:
+        return ""
+    V = cache.manifest["vocab_size"]
+    share = cache.argmax_share(vocab_lib.read_ranking(str(model_dir), V)[:cfg["draft_vocab"]])
+    return (f" On the training cache, the target's argmax is one of them at {share:.1%} of positions: the ceiling "
+            "on agreement this vocabulary sets.")
+
+
+def _feature_extras(cfg: dict, block: bool = False, model_dir: Path | None = None) -> str:
     """The card's sections on a reduced draft vocabulary and on extra training data (the target's own
     continuations), where the config has them (`block`: a block drafter's vocabulary, fixed at training)."""
     out = ""
@@ -185,7 +202,7 @@ def _feature_extras(cfg: dict, block: bool = False) -> str:
         out += f"""
 ## Reduced draft vocabulary
 Trained on the {n} most frequent target tokens of its training stream (EAGLE-3's d2t: the
-head scores only their LM-head rows; the target's distribution renormalised over them). {choice} q is zero outside: lossless.
+head scores only their LM-head rows; the target's distribution renormalised over them). {choice} q is zero outside: lossless.{_vocab_ceiling(cfg, model_dir)}
 """
     if cfg.get("extra_train"):
         summary = _resolve(cfg["extra_train"]).with_suffix(".json")
@@ -317,7 +334,7 @@ only (shapes checked; given `target_path`, the target weights too, against the d
 | top-1 agreement with the target | {fmt(final['val_agree'])} |
 
 Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
-{_feature_extras(cfg)}{_recipe_section(cfg, info, command)}
+{_feature_extras(cfg, model_dir=model_dir)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
 {command}
@@ -406,7 +423,7 @@ conditioned on the data, not on the draft; `tools/bench.py` measures the real τ
 | ‖p_d − p_t‖₁ | {fmt(final['val_l1'])} |
 
 Estimated τ (1 + expected accepted per block): {final['val_tau_estimate']:.2f}.
-{reader_text}{calib_text}{_feature_extras(cfg, block=True)}{_recipe_section(cfg, info, command)}
+{reader_text}{calib_text}{_feature_extras(cfg, block=True, model_dir=model_dir)}{_recipe_section(cfg, info, command)}
 ## Reproduce
 ```
 {_feature_prereqs(cfg)}{command}{calib_cmd}

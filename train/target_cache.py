@@ -202,6 +202,13 @@ class TargetCache:
         """Every window's tokens, in order [windows * seq_len] (what a reduced draft vocabulary is ranked on)."""
         return np.concatenate([np.asarray(sh["tokens"]).reshape(-1) for sh in self.shards])[:self.positions]
 
+    def argmax_share(self, ids) -> float:
+        """The share of the cached positions whose target argmax (top-1) is one of `ids`."""
+        inside = np.zeros(self.manifest["vocab_size"], bool)
+        inside[np.asarray(ids)] = True
+        hit = sum(int(inside[np.asarray(sh["topk_ids"][..., 0])].sum()) for sh in self.shards)
+        return hit / sum(sh["topk_ids"].shape[0] * sh["topk_ids"].shape[1] for sh in self.shards)
+
     def batch(self, idx) -> dict:
         """{tokens [B, T] int32, features [B, T, F] bf16, topk_ids [B, T, k], topk_logp [B, T, k] f32,
         states [L_s, B, G, H, dk, dv] bf16 or None} for windows `idx`."""
