@@ -73,6 +73,24 @@ def test_drafting_pass_equals_training_pass(kind, n):
     np.testing.assert_allclose(np.asarray(jax.nn.softmax(logits[:, 0, a], -1)), np.asarray(prop.probs[0, :4]), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind,n", [("dense", 2), ("hybrid", 1)])
+def test_chain_attention_equals_the_dense_masked_attention(kind, n):
+    """`ttt_logits` scores the committed block and its own chain's entries only (`ChainAttention`): the
+    same logits as the dense attention over all T * (n + steps - 1) slots under the block mask, and
+    the same gradient."""
+    target = _target(kind)
+    head = _head(target, n)
+    seq = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 12)))
+    h = _forward_hidden(target, seq, M.MTPDrafter(head, target).target_layers)
+    fast, ref = (M.ttt_logits(head, target, seq, h, 4, reference=r) for r in (False, True))
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    gdef, params = nnx.split(head, nnx.Param)
+    grads = [jax.grad(lambda p, r=r: M.ttt_logits(nnx.merge(gdef, p), target, seq, h, 4, reference=r)[..., :7].sum())(params)
+             for r in (False, True)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
 def _trained(target, n=1, steps=120, seed=1):
     """A tiny module trained with train.mtp's loss on the target's own greedy continuations of
     random prompts: partial, row-varying acceptance."""

@@ -97,7 +97,7 @@ def target_hidden(target, features_BxTxE):
 
 
 def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, cache: KVCache, block_mask_BxTxS,
-         offset_B=None, vocab=None):
+         offset_B=None, vocab=None, attention=attention_lib.DENSE):
     """One MTP pass of layer `layer` (static) over T entries (token, h): (h' [B,T,E], logits [B,T,V],
     cache with the entries' K/V in layer `layer` at slots length + offset ..). `vocab`: (ids [N],
     LM-head rows [N, E]) of a reduced draft vocabulary (`specjax.drafters.vocab`), or the rows [N, E]
@@ -105,7 +105,7 @@ def step(head: MTPHead, target, layer: int, tokens_BxT, h_BxTxE, positions_BxT, 
     fam = family_of(head.target_config)
     e = fam.apply_norm(head.pre_fc_norm_embedding, transformer.embed(target, tokens_BxT))
     x = linear(head.fc, jnp.concatenate([e, fam.apply_norm(head.pre_fc_norm_hidden, h_BxTxE)], axis=-1))
-    bound = attention_lib.DENSE.bind(cache, positions_BxT, block_mask_BxTxS)
+    bound = attention.bind(cache, positions_BxT, block_mask_BxTxS)
     x, cache = fam.attention_decoder_layer(head.layers[layer], head.target_config, layer, x, positions_BxT, cache,
                                            bound, offset_B)
     h = fam.apply_norm(head.norm, x)
@@ -136,7 +136,39 @@ def step_all(head: MTPHead, target, tokens_BxT, h_BxTxE, positions_BxT, cache, b
     return out[0], out[1], cache
 
 
-def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=None):
+@dataclasses.dataclass(frozen=True)
+class ChainAttention:
+    """`ttt_logits`' attention: T queries (anchors 0..T-1) over the causal block of T committed entries
+    at slots `committed`.., plus, per visible chain block at slots c.., the one entry of the query's own
+    anchor. The block mask's visible set without scoring the slots it hides: T + (chain blocks) scores per
+    query, not T * (n + steps - 1). The block mask is not read."""
+    committed: int  # the first slot of the layer's committed entries
+    chain: tuple[int, ...] = ()  # the first slot of each visible chain block (steps of the same layer)
+    rotates = False
+
+    def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS):
+        def attention(q_BxTxHxD, cache: KVCache, idx: int):
+            B, T, H, D = q_BxTxHxD.shape
+            k_BxCxKxD, v_BxCxKxD = cache.k[idx], cache.v[idx]
+            K = k_BxCxKxD.shape[2]
+            qg = q_BxTxHxD.reshape(B, T, K, H // K, D)
+            block = lambda x, s: x[:, s:s + T]  # noqa: E731  (static slots)
+            causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+            s1 = jnp.einsum("btkgd,bskd->bkgts", qg, block(k_BxCxKxD, self.committed),
+                            preferred_element_type=jnp.float32) / np.sqrt(D)
+            s1 = jnp.where(causal_TxT, s1, -jnp.inf)
+            diag = [jnp.einsum("btkgd,btkd->bkgt", qg, block(k_BxCxKxD, c), preferred_element_type=jnp.float32)[..., None]
+                    / np.sqrt(D) for c in self.chain]
+            p = jax.nn.softmax(jnp.concatenate([s1] + diag, axis=-1), axis=-1)
+            o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T].astype(v_BxCxKxD.dtype), block(v_BxCxKxD, self.committed))
+            for j, c in enumerate(self.chain):
+                o = o + (p[..., T + j].transpose(0, 3, 1, 2)[..., None] * block(v_BxCxKxD, c)[:, :, :, None, :]).astype(o.dtype)
+            return o.reshape(B, T, H, D)
+
+        return attention
+
+
+def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=None, reference: bool = False):
     """Training-time test over a packed sequence, as drafting runs it: logits [steps, B, T, V] (with
     `rows_NxE`, the LM head's rows of a reduced draft vocabulary: [steps, B, T, N] over those tokens).
 
@@ -145,7 +177,9 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
     layer's committed entries up to a and the steps of its own chain that ran the same layer. Step k
     predicts token a+k+1. The entries live in one KV cache of capacity T * (n + steps - 1): each
     layer's committed entries, then one block of T slots per step past the first; the visibility is
-    the block mask. Token inputs past the end are clamped; the caller masks their losses."""
+    the block mask, which `ChainAttention` scores without the slots it hides (`reference`: the dense
+    attention over every slot under the mask, as a draft round runs it). Token inputs past the end are
+    clamped; the caller masks their losses."""
     B, T = tokens_BxT.shape
     n = head.config.num_layers
     cfg = head.target_config
@@ -162,7 +196,8 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
     for j in range(n):  # every layer's committed entries (block j); layer 0's outputs are step 1
         mask = jnp.zeros((T, C), bool).at[:, j * T:(j + 1) * T].set(causal)
         hj, logits, cache = step(head, target, j, tok1, h_BxTxE, pos0, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                 jnp.full((B,), j * T, jnp.int32), rows_NxE)
+                                 jnp.full((B,), j * T, jnp.int32), rows_NxE,
+                                 attention_lib.DENSE if reference else ChainAttention(j * T))
         if j == 0:
             h = hj
             out.append(logits)
@@ -173,8 +208,10 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
         same = np.array([False] * n + [j <= k and (j - 1) % n == layer for j in range(2, steps + 1)])
         chain = jnp.asarray(same[slot_block])[None, :] & (slot_anchor[None, :] == idx[:, None])
         mask = chain.at[:, layer * T:(layer + 1) * T].set(causal)
+        chain_slots = tuple(int(b) * T for b in np.flatnonzero(same))  # this step's block among them
         h, logits, cache = step(head, target, layer, tok, h, pos0 + k - 1, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                jnp.full((B,), block * T, jnp.int32), rows_NxE)
+                                jnp.full((B,), block * T, jnp.int32), rows_NxE,
+                                attention_lib.DENSE if reference else ChainAttention(layer * T, chain_slots))
         out.append(logits)
     return jnp.stack(out)
 
