@@ -126,6 +126,25 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> Float[Array, "B T 
     return out_BxTxKxGxD.reshape(B, T, H, D)
 
 
+def chain_attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, chain_k=(), chain_v=()) -> Float[Array, "B T H D"]:
+    """Training-time test's attention (the feature and MTP trainers): query t over the causal block of
+    the T committed entries (k, v: entry s visible when s <= t) and, per chain step j, the one entry
+    `chain_k[j][:, t]` of its own anchor. T + len(chain) scores per query: what the dense attention
+    under the drafting block mask computes, without scoring the slots that mask hides."""
+    B, T, H, D = q_BxTxHxD.shape
+    K = k_BxTxKxD.shape[2]
+    qg = q_BxTxHxD.reshape(B, T, K, H // K, D)
+    causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    s1 = jnp.einsum("btkgd,bskd->bkgts", qg, k_BxTxKxD, preferred_element_type=jnp.float32) / math.sqrt(D)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32)[..., None] / math.sqrt(D)
+            for kj in chain_k]
+    p = jax.nn.softmax(jnp.concatenate([jnp.where(causal_TxT, s1, -jnp.inf)] + diag, axis=-1), axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T].astype(v_BxTxKxD.dtype), v_BxTxKxD)
+    for j, vj in enumerate(chain_v):
+        o = o + (p[..., T + j].transpose(0, 3, 1, 2)[..., None] * vj[:, :, :, None, :]).astype(o.dtype)
+    return o.reshape(B, T, H, D)
+
+
 # ----------------------------------------------------------------------------- attention objects
 
 class Attention(Protocol):

@@ -15,7 +15,6 @@ anchor and its own chain).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -162,10 +161,7 @@ def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, ste
     the end are clamped; their losses must be masked by the caller.
     """
     B, T = tokens_BxT.shape
-    cfg = head.config
-    G = cfg.num_heads // cfg.num_kv_heads
     idx = jnp.arange(T)
-    causal = idx[None, :] <= idx[:, None]  # [T(query a), T(key p)]: p <= a
     x = fuse(head, features_BxTxF)
     keys, values, out = [], [], []
     for k in range(1, steps + 1):
@@ -174,16 +170,8 @@ def ttt_logits(head: FeatureHead, target: Model, tokens_BxT, features_BxTxF, ste
         q, kk, vv = qkv(head, target, tok, x, pos)  # [B, T, H|K, D]
         keys.append(kk)
         values.append(vv)
-        qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
-        s1 = jnp.einsum("btkgd,bskd->bkgts", qg, keys[0]) / math.sqrt(cfg.head_dim)
-        s1 = jnp.where(causal[None, None, None], s1, -jnp.inf)
-        diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj)[..., None] / math.sqrt(cfg.head_dim) for kj in keys[1:]]
-        s = jnp.concatenate([s1] + diag, axis=-1)  # [B, K, G, T, T + k - 1]
-        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(vv.dtype)
-        o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T], values[0])
-        for j, vj in enumerate(values[1:]):
-            o = o + p[..., T + j][..., None].transpose(0, 3, 1, 2, 4) * vj[:, :, :, None, :]
-        x, logits = finish(head, target, x, o.reshape(B, T, cfg.num_heads, cfg.head_dim), rows_NxE)
+        o = attention_lib.chain_attend(q, keys[0], values[0], keys[1:], values[1:])  # [B, T, H, D]
+        x, logits = finish(head, target, x, o, rows_NxE)
         out.append(logits)
     return jnp.stack(out)
 

@@ -138,32 +138,21 @@ def step_all(head: MTPHead, target, tokens_BxT, h_BxTxE, positions_BxT, cache, b
 
 @dataclasses.dataclass(frozen=True)
 class ChainAttention:
-    """`ttt_logits`' attention: T queries (anchors 0..T-1) over the causal block of T committed entries
-    at slots `committed`.., plus, per visible chain block at slots c.., the one entry of the query's own
-    anchor. The block mask's visible set without scoring the slots it hides: T + (chain blocks) scores per
-    query, not T * (n + steps - 1). The block mask is not read."""
+    """`ttt_logits`' attention (`attention.chain_attend`): T queries (anchors 0..T-1) over the causal block
+    of T committed entries at slots `committed`.., plus, per visible chain block at slots c.., the one
+    entry of the query's own anchor. The block mask's visible set without scoring the slots it hides:
+    T + (chain blocks) scores per query, not T * (n + steps - 1). The block mask is not read."""
     committed: int  # the first slot of the layer's committed entries
     chain: tuple[int, ...] = ()  # the first slot of each visible chain block (steps of the same layer)
     rotates = False
 
     def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS):
         def attention(q_BxTxHxD, cache: KVCache, idx: int):
-            B, T, H, D = q_BxTxHxD.shape
-            k_BxCxKxD, v_BxCxKxD = cache.k[idx], cache.v[idx]
-            K = k_BxCxKxD.shape[2]
-            qg = q_BxTxHxD.reshape(B, T, K, H // K, D)
-            block = lambda x, s: x[:, s:s + T]  # noqa: E731  (static slots)
-            causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-            s1 = jnp.einsum("btkgd,bskd->bkgts", qg, block(k_BxCxKxD, self.committed),
-                            preferred_element_type=jnp.float32) / np.sqrt(D)
-            s1 = jnp.where(causal_TxT, s1, -jnp.inf)
-            diag = [jnp.einsum("btkgd,btkd->bkgt", qg, block(k_BxCxKxD, c), preferred_element_type=jnp.float32)[..., None]
-                    / np.sqrt(D) for c in self.chain]
-            p = jax.nn.softmax(jnp.concatenate([s1] + diag, axis=-1), axis=-1)
-            o = jnp.einsum("bkgts,bskd->btkgd", p[..., :T].astype(v_BxCxKxD.dtype), block(v_BxCxKxD, self.committed))
-            for j, c in enumerate(self.chain):
-                o = o + (p[..., T + j].transpose(0, 3, 1, 2)[..., None] * block(v_BxCxKxD, c)[:, :, :, None, :]).astype(o.dtype)
-            return o.reshape(B, T, H, D)
+            T = q_BxTxHxD.shape[1]
+            block = lambda x, s: x[idx][:, s:s + T]  # noqa: E731  (static slots of layer idx)
+            return attention_lib.chain_attend(q_BxTxHxD, block(cache.k, self.committed), block(cache.v, self.committed),
+                                              [block(cache.k, c) for c in self.chain],
+                                              [block(cache.v, c) for c in self.chain])
 
         return attention
 
