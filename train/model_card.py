@@ -540,7 +540,7 @@ def _reader_section(dcfg: dict, cfg: dict, info: dict, fmt) -> str:
     if peer is not None:
         rows.append((f"`{peer[0]}` (DSpark, {peer[1]['run']['config']['steps']} steps)", peer[1]["final"]))
     table = "\n".join(f"| {n} | {fmt(r['val_accept'])} | {r['val_tau_estimate']:.2f} |" for n, r in rows)
-    start = f"started from `{cfg['init_from']}`" if cfg.get("init_from") else "trained from scratch"
+    start = f"started from `{cfg['init_from']}`" if cfg.get("init_from") else ("not from a trained DSpark: the backbone from the target (`init_from_target`), the reader fresh" if cfg.get("init_from_target") else "trained from scratch")
     return f"""
 ## Recurrent-state reader (ReaDy, design §5c)
 Reads the committed Gated DeltaNet state S [{H}, {K}, {V}] of target layers {dcfg['state_layers']} ({L} layers):
