@@ -189,6 +189,14 @@ def draft_vocab_topk(ids_BxTxk, logp_BxTxk, vocab_ids_N, vocab_size: int):
     return inv[ids_BxTxk.astype(jnp.int32)], logp_BxTxk
 
 
+def draft_vocab_target(target, vocab_ids_N, vocab_size: int):
+    """The target side of a loss over a reduced draft vocabulary: a cache's sparse (ids, logp) top-k
+    as draft-vocabulary slots (`draft_vocab_topk`), or dense logits [.., V] gathered at the N ids."""
+    if isinstance(target, tuple):
+        return draft_vocab_topk(*target, vocab_ids_N, vocab_size)
+    return target[..., vocab_ids_N]
+
+
 def unrolled_steps(cfg, loss_of, init_params, rules):
     """(train_step, eval_step, init) of an unrolled drafter: `loss_of(params, tokens) -> (loss,
     (per-step loss, agreement))` (`unrolled_loss`), `init_params() -> the head's nnx.Param state`;

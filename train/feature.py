@@ -91,9 +91,8 @@ def ttt_loss(head, target, tokens_BxT, decay: float, steps: int, vocab_ids=None,
         return drafter_run.unrolled_loss(logits, t_logits, decay)
     rows = jax.lax.stop_gradient(vocab_lib.head_rows(target, vocab_ids))  # [N, E]
     logits = F.ttt_logits(head, target, tokens_BxT, feats, steps, rows)  # [K, B, T, N]
-    t_logits = (drafter_run.draft_vocab_topk(*t_logits, vocab_ids, head.config.vocab_size) if cached is not None
-                else t_logits[..., vocab_ids])
-    return drafter_run.unrolled_loss(logits, t_logits, decay)
+    return drafter_run.unrolled_loss(logits, drafter_run.draft_vocab_target(t_logits, vocab_ids, head.config.vocab_size),
+                                     decay)
 
 
 def start_from_target(head: F.FeatureHead, target) -> None:

@@ -103,8 +103,7 @@ def mtp_loss(head: M.MTPHead, target, tokens_BxT, decay: float, steps: int, loss
     if vocab_ids is not None:
         rows = jax.lax.stop_gradient(vocab.head_rows(target, vocab_ids))  # [N, E]
         logits = M.ttt_logits(head, target, tokens_BxT, h, steps, rows)  # [K, B, T, N]
-        t_logits = (drafter_run.draft_vocab_topk(*t_logits, vocab_ids, head.config.vocab_size) if cached is not None
-                    else t_logits[..., vocab_ids])
+        t_logits = drafter_run.draft_vocab_target(t_logits, vocab_ids, head.config.vocab_size)
         return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay)
     logits = M.ttt_logits(head, target, tokens_BxT, h, steps)  # [K, B, T, V]
     return drafter_run.unrolled_loss(logits, jax.lax.stop_gradient(t_logits), decay,

@@ -166,8 +166,8 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
     layer's committed entries up to a and the steps of its own chain that ran the same layer. Step k
     predicts token a+k+1. The entries live in one KV cache of capacity T * (n + steps - 1): each
     layer's committed entries, then one block of T slots per step past the first; the visibility is
-    the block mask, which `ChainAttention` scores without the slots it hides (`reference`: the dense
-    attention over every slot under the mask, as a draft round runs it). Token inputs past the end are
+    what the block mask would show, which `ChainAttention` scores without the slots it hides (`reference`:
+    the block mask built and the dense attention over every slot under it, as a draft round runs it). Token inputs past the end are
     clamped; the caller masks their losses."""
     B, T = tokens_BxT.shape
     n = head.config.num_layers
@@ -181,12 +181,22 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
     slot_anchor = jnp.asarray(np.tile(np.arange(T), n + steps - 1))
     tok1 = jnp.take(tokens_BxT, jnp.minimum(idx + 1, T - 1), axis=1)
     pos0 = jnp.broadcast_to(idx, (B, T))
+
+    def visibility(layer: int, same=None):
+        """(block mask, attention) of a pass through `layer` whose own chain is the blocks `same` marks:
+        the mask and the dense attention (`reference`), or no mask and `ChainAttention`."""
+        chain_slots = () if same is None else tuple(int(b) * T for b in np.flatnonzero(same))
+        if not reference:
+            return None, ChainAttention(layer * T, chain_slots)
+        seen = jnp.zeros((T, C), bool) if same is None else (jnp.asarray(same[slot_block])[None, :]
+                                                               & (slot_anchor[None, :] == idx[:, None]))
+        return jnp.broadcast_to(seen.at[:, layer * T:(layer + 1) * T].set(causal), (B, T, C)), attention_lib.DENSE
+
     out, h = [], None
     for j in range(n):  # every layer's committed entries (block j); layer 0's outputs are step 1
-        mask = jnp.zeros((T, C), bool).at[:, j * T:(j + 1) * T].set(causal)
-        hj, logits, cache = step(head, target, j, tok1, h_BxTxE, pos0, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                 jnp.full((B,), j * T, jnp.int32), rows_NxE,
-                                 attention_lib.DENSE if reference else ChainAttention(j * T))
+        mask, attn = visibility(j)
+        hj, logits, cache = step(head, target, j, tok1, h_BxTxE, pos0, cache, mask, jnp.full((B,), j * T, jnp.int32),
+                                 rows_NxE, attn)
         if j == 0:
             h = hj
             out.append(logits)
@@ -195,12 +205,9 @@ def ttt_logits(head: MTPHead, target, tokens_BxT, h_BxTxE, steps: int, rows_NxE=
         tok = jnp.take(tokens_BxT, jnp.minimum(idx + k, T - 1), axis=1)  # token a+k
         # per block: the chain blocks of steps 2..k that ran the same layer (block n + j - 2 is step j's)
         same = np.array([False] * n + [j <= k and (j - 1) % n == layer for j in range(2, steps + 1)])
-        chain = jnp.asarray(same[slot_block])[None, :] & (slot_anchor[None, :] == idx[:, None])
-        mask = chain.at[:, layer * T:(layer + 1) * T].set(causal)
-        chain_slots = tuple(int(b) * T for b in np.flatnonzero(same))  # this step's block among them
-        h, logits, cache = step(head, target, layer, tok, h, pos0 + k - 1, cache, jnp.broadcast_to(mask, (B, T, C)),
-                                jnp.full((B,), block * T, jnp.int32), rows_NxE,
-                                attention_lib.DENSE if reference else ChainAttention(layer * T, chain_slots))
+        mask, attn = visibility(layer, same)  # this step's own block among the chain
+        h, logits, cache = step(head, target, layer, tok, h, pos0 + k - 1, cache, mask,
+                                jnp.full((B,), block * T, jnp.int32), rows_NxE, attn)
         out.append(logits)
     return jnp.stack(out)
 
