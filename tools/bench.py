@@ -340,7 +340,8 @@ def zoo_setup(args):
     if args.kind == "chat":
         prompts = chat_prompts(args.target, tok, args.chat_prompts, args.prompts)
     else:
-        prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, context_tokens=args.context)]
+        prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, split=args.split,
+                                                                context_tokens=args.context)]
     return target, drafters, prompts
 
 
@@ -492,6 +493,9 @@ def main(argv=None):
     ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "humaneval", "chat"],
                     help="code prompts cut from the test split, or 'chat': --chat-prompts rendered with the target's "
                          "chat template")
+    ap.add_argument("--split", default="test", choices=["test", "validation"],
+                    help="the corpus split code prompts are cut from (default test; 'validation' for a drafter's "
+                         "in-loop agreement on the target's own continuations of validation prompts)")
     ap.add_argument("--chat-prompts", default=str(REPO / "bench/prompts/chat.jsonl"),
                     help='with --kind chat: a JSONL file of {"messages": [...]} rows')
     ap.add_argument("--llama-cpp", default=None, metavar="FILE.gguf",
@@ -628,8 +632,9 @@ def main(argv=None):
             meta_hf = best["method"] + (" (its speculative variants are unsupported here)"
                                         if best["method"] == "hf ar" else "")
         rows += hf_rows
+    kind = args.kind if args.split == "test" or args.kind in ("chat", "humaneval") else f"{args.kind}, {args.split} split"
     meta = run_meta("bench", argv, setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
-                    kind="random" if args.smoke else args.kind, n_prompts=len(flat), new_tokens=args.new_tokens,
+                    kind="random" if args.smoke else kind, n_prompts=len(flat), new_tokens=args.new_tokens,
                     batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
                     dspark_threshold=args.dspark_threshold, weights=args.weights,
                     invariant=args.weights != "float32" if args.invariant is None else args.invariant)
