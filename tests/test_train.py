@@ -518,6 +518,42 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
             == specjax.generate(target, prompts, max_new_tokens=12).sequences())
 
 
+def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
+    """`train.target_cache --weights int8` (issue 45): the cache holds the int8 target's features and
+    top-k (the target as deployed), its manifest says so, a rebuild at another dtype is refused, and a
+    trainer on it loads its target at int8 (embedding, LM head and validation match the labels)."""
+    import specjax
+    from specjax.checkpoint import load_tokenizer
+    from specjax.drafters import load_drafter
+    from specjax.models import quant, transformer
+    from train import block, drafter_run, target_cache
+
+    target_dir = str(full_run["export"])
+    streams = lm.load_streams_for(load_tokenizer(target_dir), str(zoo["manifest"]), str(zoo["root"]), None, None)
+    out = zoo["base"] / "cache-int8"
+    kw = dict(layers=(0, 1), topk=8, seq_len=32, shard_windows=4, batch=4, max_windows=8, progress=False)
+    m = target_cache.build(target_dir, streams.train, out, weights="int8", **kw)
+    assert m["weights"] == "int8" and target_cache.cache_weights(out) == "int8"
+    with pytest.raises(ValueError, match="other"):
+        target_cache.build(target_dir, streams.train, out, **kw)  # float32 over an int8 cache
+    b = target_cache.TargetCache(out, target_dir, (0, 1)).batch([0, 1])
+    t8 = load_model(target_dir, weights="int8")
+    ref = transformer.forward(t8, jnp.asarray(b["tokens"]), jnp.broadcast_to(jnp.arange(32)[None], (2, 32)),
+                              transformer.init_cache(t8, 2, 32), transformer.causal_mask(2, 32))
+    np.testing.assert_array_equal(b["topk_ids"][..., 0], np.argmax(np.asarray(ref.logits), -1))
+    cfg = _block_cfg(zoo, full_run, name="tiny-dspark-int8", target_layers=(0, 1), intermediate_size=64, seq_len=32,
+                     cache=str(out), steps=2, eval_every=2)
+    assert drafter_run.target_weights(cfg) == "int8"
+    assert quant.weight_dtype(block._fns(cfg, target_dir, None, drafter_run.target_weights(cfg))[0]) == "int8"
+    block.train(cfg, zoo["base"] / "blk-int8", zoo["base"] / "blk-int8-export", progress=False)
+    info = json.loads((zoo["base"] / "blk-int8-export" / "train_info.json").read_text())
+    assert info["run"]["target_weights"] == "int8"
+    drafter = load_drafter(str(zoo["base"] / "blk-int8-export"), t8, target_path=target_dir)
+    prompts = [[EOT_ID, 5, 9, 14, 30, 31]]
+    assert (specjax.generate(t8, prompts, max_new_tokens=10, drafters=[drafter], tree="chain=4").sequences()
+            == specjax.generate(t8, prompts, max_new_tokens=10).sequences())
+
+
 def test_gpu_training_path_runs_from_corpus_tokens(zoo, full_run, tmp_path):
     """tools.gpu_train at a tiny size on CPU: the corpus as tokens (what a slim tree carries, read
     through the config's `manifest`), the cache built, a block drafter trained on it and exported."""

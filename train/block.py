@@ -317,9 +317,10 @@ def eval_blocks(head, target, tokens_BxT, anchors_BxA, every: int, zero_state: b
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
-    """`vocab_ids`: the draft vocabulary's token ids (`draft_vocab`), constants of the head beside its parameters."""
-    target = load_model(target_dir)
+def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None, weights: str = "float32"):
+    """`vocab_ids`: the draft vocabulary's token ids (`draft_vocab`), constants of the head beside its parameters;
+    `weights`: the target's weight dtype (its cache's: `drafter_run.target_weights`)."""
+    target = load_model(target_dir, weights=weights)
     hcfg = head_config(cfg, target)
     new_head = lambda seed: Bk.BlockHead(hcfg, nnx.Rngs(seed), draft_ids=vocab_ids)  # noqa: E731
     head0 = new_head(0)
@@ -512,13 +513,15 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
-    if cfg.cache:  # the cache's stream is part of the run
+    if cfg.cache:  # the cache's stream (and a non-float32 target) are part of the run
         identity["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
+        if drafter_run.target_weights(cfg) != "float32":
+            identity["target_weights"] = drafter_run.target_weights(cfg)
     tok = load_tokenizer(str(target_dir))
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
     stream = drafter_run.train_stream(cfg, run_dir, streams)  # the corpus, then extra_train
     ranking, ids = drafter_run.draft_ranking(cfg, stream, target_dir)
-    target, hcfg, head_of, train_step, eval_step, init = _fns(cfg, str(target_dir), ids)
+    target, hcfg, head_of, train_step, eval_step, init = _fns(cfg, str(target_dir), ids, drafter_run.target_weights(cfg))
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
     cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), hcfg.target_layers) if cfg.cache else None
     if cache is not None and cache.manifest["seq_len"] != cfg.seq_len:
@@ -597,7 +600,8 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
     train_s = sum(t["train_step_s"] for t in timing)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len
     config = drafter_run.config_record(cfg)
-    info = {"run": {"config": config, "target_sha256": identity["target_sha256"]}, "tokens_trained": tokens,
+    info = {"run": {"config": config, "target_sha256": identity["target_sha256"],
+                    "target_weights": identity.get("target_weights", "float32")}, "tokens_trained": tokens,
             "block_positions_trained": cfg.steps * cfg.batch_size * cfg.anchors * cfg.block_size,
             "timing": {"train_step_s": round(train_s, 1), "wall_s": round(sum(t["wall_s"] for t in timing), 1),
                        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "sessions": timing},

@@ -224,6 +224,13 @@ def unrolled_steps(cfg, loss_of, init_params, rules):
     return train_step, eval_step, init
 
 
+def target_weights(cfg) -> str:
+    """The weight dtype a trainer loads its target at: its cache's (`train.target_cache --weights`: the
+    features and labels came from the target at that dtype, so the borrowed embedding / LM head and
+    the validation pass match them), float32 without a cache."""
+    return target_cache.cache_weights(_resolve(cfg.cache)) if getattr(cfg, "cache", None) else "float32"
+
+
 def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
                  overwrite=False, progress=True, mesh=None, cache_layers=None):
     """The training loop of a drafter trained with `unrolled_loss` (feature, MTP): resumable (orbax,
@@ -236,8 +243,10 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
     ident = identity(cfg, target_dir)
-    if getattr(cfg, "cache", None):  # the cache's stream is part of the run
+    if getattr(cfg, "cache", None):  # the cache's stream (and a non-float32 target) are part of the run
         ident["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
+        if target_weights(cfg) != "float32":
+            ident["target_weights"] = target_weights(cfg)
     open_run(run_dir, export_dir, ident, overwrite)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
                                run_dir / "token-cache")
@@ -341,7 +350,8 @@ def session_timing(run_dir) -> dict:
 def train_info(cfg, ident: dict, record: dict) -> dict:
     """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
     read), the target's weights digest, the positions trained on, the final validation record."""
-    return {"run": {"config": config_record(cfg), "target_sha256": ident["target_sha256"]},
+    return {"run": {"config": config_record(cfg), "target_sha256": ident["target_sha256"],
+                    "target_weights": ident.get("target_weights", "float32")},
             "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
 
 

@@ -123,8 +123,8 @@ def start_from_target(head: F.FeatureHead, target) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
-    target = load_model(target_dir)
+def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None, weights: str = "float32"):
+    target = load_model(target_dir, weights=weights)
     hcfg = head_config(cfg, target)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: F.FeatureHead(hcfg, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
@@ -154,7 +154,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     target_dir = str(_resolve(cfg.target))
     ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
                     if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens of the stream
-    _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
+    _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids, drafter_run.target_weights(cfg))
 
     def save(params, d):
         # bf16 like the other drafters' exports (the shipped code-target(-hybrid)-feature predate this: float32)

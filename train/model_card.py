@@ -243,6 +243,10 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
                          f"{m['seq_len']} = {held:,} positions, the target's layers {m['layers']} and top-{m['topk']} "
                          f"log-probabilities, built once in {m['seconds'] / 60:.1f} min{share}. The run read "
                          f"{trained:,} positions from it: {trained / held:.1f} epochs.")
+            if m.get("weights", "float32") != "float32":
+                lines.append(f"The cache was built from the target at {m['weights']} weights (`--weights {m['weights']}`, "
+                             "batch-invariant attention): the drafter learns the target as it is deployed at that dtype; "
+                             "the run loaded its target (embedding, LM head, validation) at the same weights.")
             lines.append("Built with: `" + _cache_commands(cfg, m) + "`.")
         else:
             lines.append(f"Offline target cache `{cfg['cache']}` (not on this machine: its manifest is not recorded here).")
@@ -279,6 +283,8 @@ def _cache_commands(cfg: dict, m: dict) -> str:
         cache += f" --corpus-tokens {mix['corpus_tokens']} --extra {mix['extra']} --extra-repeat {mix.get('extra_repeat', 1)}"
     if m.get("state_layers"):
         cache += f" --state-layers {','.join(map(str, m['state_layers']))} --state-every {m['state_every']}"
+    if m.get("weights", "float32") != "float32":
+        cache += f" --weights {m['weights']}"
     return "` then `".join(cmds + [cache])
 
 

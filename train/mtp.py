@@ -127,8 +127,8 @@ def start_from_target(head: M.MTPHead, target) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _fns(cfg: MTPTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None):
-    target = load_model(target_dir)
+def _fns(cfg: MTPTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None = None, weights: str = "float32"):
+    target = load_model(target_dir, weights=weights)
     hcfg = M.MTPConfig.for_target(target.config, cfg.num_layers)
     head_def = nnx.graphdef(nnx.eval_shape(lambda: M.MTPHead(hcfg, target.config, nnx.Rngs(0))))
     tgt_def, tgt_params = nnx.split(target)
@@ -164,7 +164,7 @@ def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, over
     target_dir = str(_resolve(cfg.target))
     ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
                     if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens it trains on
-    target, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids)
+    target, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids, drafter_run.target_weights(cfg))
 
     def save(params, d):
         M.save_mtp_head(nnx.merge(head_def, params), str(d))

@@ -13,7 +13,7 @@ Per window of `seq_len` tokens it stores, in shards of `shard_windows` windows:
                                              layers' committed recurrent states on a grid of `state_every`
                                              (entry g: after tokens < g * state_every)
 
-and `manifest.json`: the format, the target's weights digest, layers, k, seq_len, the stream's
+and `manifest.json`: the format, the target's weights digest and weight dtype (`--weights`), layers, k, seq_len, the stream's
 digest, the shard count done. A shard is written to a temporary directory and renamed when whole,
 then counted in the manifest, so a stopped build continues where it ended (`build` again with the
 same arguments); other arguments are refused. Memory-mapped reads: a cache larger than memory works.
@@ -96,12 +96,14 @@ def _write_manifest(out: Path, m: dict) -> None:
 
 def build(target_dir: str, stream: np.ndarray, out, *, layers: tuple[int, ...], topk: int = 32, seq_len: int = 512,
           shard_windows: int = 64, batch: int = 8, max_windows: int | None = None, state_layers: tuple[int, ...] = (),
-          state_every: int = 8, mix: dict | None = None, progress: bool = True) -> dict:
+          state_every: int = 8, mix: dict | None = None, weights: str = "float32", progress: bool = True) -> dict:
     """Builds (or continues) the cache of `stream` under `out`; returns the manifest. `mix`: how the
-    stream was made (recorded for the drafter's card)."""
+    stream was made (recorded for the drafter's card). `weights`: the target's weight dtype for the
+    pass (`load_model(weights=...)`, batch-invariant attention at bf16 / int8): distil from the
+    target as it is deployed; the trainers then load their target at the cache's `weights`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_model(target_dir)
+    target = load_model(target_dir, weights=weights)
     cfg = target.config
     layers = tuple(int(x) for x in layers)
     if not layers or max(layers) >= cfg.num_layers:
@@ -121,9 +123,10 @@ def build(target_dir: str, stream: np.ndarray, out, *, layers: tuple[int, ...], 
             "layers": list(layers), "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "topk": topk,
             "seq_len": seq_len, "shard_windows": shard_windows, "windows": int(len(wins)), "shards": n_shards,
             "stream_sha256": stream_sha256(wins), "state_layers": list(state_layers), "state_every": state_every,
-            "mix": mix or {}}
+            "weights": weights, "mix": mix or {}}
     have = _manifest(out)
     if have is not None:
+        have.setdefault("weights", "float32")  # caches from before the option
         differ = [k for k in want if k not in ("target", "mix") and have.get(k) != want[k]]
         if differ:
             raise ValueError(f"{out}: a cache of other {differ} is there; remove it or choose another --out")
@@ -164,6 +167,15 @@ def build(target_dir: str, stream: np.ndarray, out, *, layers: tuple[int, ...], 
     return want
 
 
+def cache_weights(path) -> str:
+    """The target's weight dtype a built cache was made with, from its manifest alone (float32 for
+    caches from before the option): the trainers load their target at it."""
+    m = _manifest(Path(path))
+    if m is None or m.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a target cache (no {MANIFEST} of format {FORMAT})")
+    return m.get("weights", "float32")
+
+
 class TargetCache:
     """A built cache, memory-mapped. `batch(idx)` gathers windows; `batch_at(step, B, seed)` walks
     epochs in a fresh order each (the trainers' `data.batch_at` over windows)."""
@@ -193,6 +205,11 @@ class TargetCache:
 
     def __len__(self) -> int:
         return self.manifest["windows"]
+
+    @property
+    def weights(self) -> str:
+        """The target's weight dtype the cache was built with (float32 for caches from before the option)."""
+        return self.manifest.get("weights", "float32")
 
     @property
     def positions(self) -> int:
@@ -268,6 +285,8 @@ def main(argv=None) -> None:
                     help="the corpus's first N training tokens only (sets the extra's share when --windows cuts)")
     ap.add_argument("--state-layers", default="", help="hybrid targets (ReaDy): Gated DeltaNet layers to store")
     ap.add_argument("--state-every", type=int, default=8)
+    ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="the target's weight dtype for the pass: the dtype it is deployed at (default float32)")
     ap.add_argument("--manifest", default="train/manifest.json")
     args = ap.parse_args(argv)
     target_dir = str(_resolve(args.target))
@@ -288,7 +307,7 @@ def main(argv=None) -> None:
     state_layers = tuple(int(x) for x in args.state_layers.split(",")) if args.state_layers else ()
     m = build(target_dir, stream, args.out, layers=layers, topk=args.topk, seq_len=args.seq_len,
               shard_windows=args.shard_windows, batch=args.batch, max_windows=args.windows,
-              state_layers=state_layers, state_every=args.state_every, mix=mix)
+              state_layers=state_layers, state_every=args.state_every, mix=mix, weights=args.weights)
     print(f"{args.out}: {m['windows']} windows x {m['seq_len']} = {m['windows'] * m['seq_len']:,} positions, "
           f"{m['seconds']:.0f} s of target passes ({m['windows'] * m['seq_len'] / max(m['seconds'], 1e-9):.0f} positions/s)")
 
