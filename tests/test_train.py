@@ -542,7 +542,7 @@ def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
                               transformer.init_cache(t8, 2, 32), transformer.causal_mask(2, 32))
     np.testing.assert_array_equal(b["topk_ids"][..., 0], np.argmax(np.asarray(ref.logits), -1))
     cfg = _block_cfg(zoo, full_run, name="tiny-dspark-int8", target_layers=(0, 1), intermediate_size=64, seq_len=32,
-                     cache=str(out), steps=2, eval_every=2)
+                     cache=str(out), steps=2, eval_every=2, init_from_target=True)  # initialised from the float weights
     assert drafter_run.target_weights(cfg) == "int8"
     assert quant.weight_dtype(block._fns(cfg, target_dir, None, drafter_run.target_weights(cfg))[0]) == "int8"
     block.train(cfg, zoo["base"] / "blk-int8", zoo["base"] / "blk-int8-export", progress=False)

@@ -368,7 +368,7 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
     def init():
         head = new_head(cfg.seed)
         if cfg.init_from_target:
-            start_from_target(head, target)
+            start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         if cfg.init_from:
             start_from(head, _resolve(cfg.init_from))
         params = nnx.state(head, nnx.Param)

@@ -136,7 +136,7 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | 
     def init_params():
         head = F.FeatureHead(hcfg, nnx.Rngs(cfg.seed))
         if cfg.init_from_target:
-            start_from_target(head, target)
+            start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         return nnx.state(head, nnx.Param)
 
     train_step, eval_step, init = drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)

@@ -140,7 +140,7 @@ def _fns(cfg: MTPTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None
     def init_params():
         head = M.MTPHead(hcfg, target.config, nnx.Rngs(cfg.seed))
         if cfg.init_from_target:
-            start_from_target(head, target)
+            start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         return nnx.state(head, nnx.Param)
 
     return target, head_def, *drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
