@@ -543,6 +543,16 @@ def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
     np.testing.assert_array_equal(b["topk_ids"][..., 0], np.argmax(np.asarray(ref.logits), -1))
     cfg = _block_cfg(zoo, full_run, name="tiny-dspark-int8", target_layers=(0, 1), intermediate_size=64, seq_len=32,
                      cache=str(out), steps=2, eval_every=2, init_from_target=True)  # initialised from the float weights
+    # a position whose cached top-k holds no draft-vocabulary token leaves the L1 / confidence terms (no NaN)
+    vids = tuple(range(16))
+    _, _, vhead_of, _, _, vinit = block._fns(dataclasses.replace(cfg, draft_vocab=16), target_dir, vids, "int8")
+    cached = {k: jnp.asarray(v) for k, v in b.items() if k != "tokens" and v is not None}
+    outside = cached["topk_ids"].at[:, :].set(jnp.arange(100, 108)[None, None])  # every position outside the 16
+    anchors = block.anchors_for(cfg, block.head_config(cfg, t8), None, 2, 32, evenly=True)
+    for ids in (cached["topk_ids"], outside):
+        loss, m = block.block_loss(vhead_of(vinit()["params"]), t8, jnp.asarray(b["tokens"]), anchors, cfg,
+                                   cached={**cached, "topk_ids": ids})
+        assert np.isfinite(float(loss)) and np.isfinite(np.asarray(m["l1"])).all()
     assert drafter_run.target_weights(cfg) == "int8"
     assert quant.weight_dtype(block._fns(cfg, target_dir, None, drafter_run.target_weights(cfg))[0]) == "int8"
     block.train(cfg, zoo["base"] / "blk-int8", zoo["base"] / "blk-int8-export", progress=False)

@@ -267,27 +267,32 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
         t_logits = t_logits[..., head.vocab_ids[...]]
         labels = head.vocab_index[...][labels]
         inside = labels < hc.draft_vocab
-    p_t = jax.nn.softmax(t_logits, -1).reshape(B, A, W, -1)
+    # A cache's top-k (-inf outside it) may hold no token of the draft vocabulary at a position: no target
+    # distribution there, so that position leaves the L1 and confidence terms (else the softmax is NaN).
+    has = jnp.isfinite(t_logits).any(-1).reshape(B, A, W)
+    p_t = jax.nn.softmax(jnp.where(jnp.isfinite(t_logits), t_logits, -1e30), -1).reshape(B, A, W, -1)
     logp = jax.nn.log_softmax(logits, -1)
     label_logp = jnp.take_along_axis(logp, jnp.minimum(labels, logp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
+    mean_BA = lambda x: jnp.sum(jnp.where(has, x, 0.0), axis=(0, 1)) / jnp.maximum(jnp.sum(has, axis=(0, 1)), 1)  # noqa: E731
     w = jnp.exp(-jnp.arange(W) / cfg.decay)
     if cfg.deepspec_loss:  # position-weighted means, as DeepSpec
         wi = w * inside
         ce = -jnp.sum(jnp.where(inside, label_logp, 0.0) * w) / jnp.maximum(jnp.sum(wi), 1e-6)
-        l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1))) / jnp.sum(w)
+        l1_term = jnp.sum(w * mean_BA(l1)) / jnp.sum(w)
     else:
         ce = -jnp.sum(jnp.where(inside, label_logp, 0.0)) / jnp.maximum(jnp.sum(inside), 1)
-        l1_term = jnp.sum(w * jnp.mean(l1, axis=(0, 1)))
+        l1_term = jnp.sum(w * mean_BA(l1))
     loss = cfg.ce_weight * ce + cfg.l1_weight * l1_term
     bce = jnp.float32(0)
     if conf is not None:
         alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
         per = optax.sigmoid_binary_cross_entropy(conf, alpha)  # [B, A, W]
-        bce = jnp.sum(w * jnp.mean(per, axis=(0, 1))) / jnp.sum(w) if cfg.deepspec_loss else jnp.mean(per)
+        bce = (jnp.sum(w * mean_BA(per)) / jnp.sum(w) if cfg.deepspec_loss
+               else jnp.sum(jnp.where(has, per, 0.0)) / jnp.maximum(jnp.sum(has), 1))
         loss = loss + bce
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p_t, -1), axis=(0, 1))
-    metrics = {"ce": ce, "l1": jnp.mean(l1, axis=(0, 1)), "bce": bce, "agree_tf": agree}
+    metrics = {"ce": ce, "l1": mean_BA(l1), "bce": bce, "agree_tf": agree}
     if cfg.freeze_backbone:  # against the backbone's own (Markov) rows: top-1 agreement and top-4 coverage
         t_arg = jnp.argmax(p_t, -1)
         cover = lambda lg: jnp.mean(jnp.any(jax.lax.top_k(lg, 4)[1] == t_arg[..., None], -1), axis=(0, 1))  # noqa: E731
