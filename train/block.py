@@ -274,7 +274,8 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
     logp = jax.nn.log_softmax(logits, -1)
     label_logp = jnp.take_along_axis(logp, jnp.minimum(labels, logp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_t), axis=-1)  # [B, A, W]
-    mean_BA = lambda x: jnp.sum(jnp.where(has, x, 0.0), axis=(0, 1)) / jnp.maximum(jnp.sum(has, axis=(0, 1)), 1)  # noqa: E731
+    # the mean over (B, A) of the positions with a target (exactly jnp.mean's value when every position has one)
+    mean_BA = lambda x: jnp.mean(jnp.where(has, x, 0.0), axis=(0, 1)) * (B * A / jnp.maximum(jnp.sum(has, axis=(0, 1)), 1))  # noqa: E731
     w = jnp.exp(-jnp.arange(W) / cfg.decay)
     if cfg.deepspec_loss:  # position-weighted means, as DeepSpec
         wi = w * inside
@@ -289,7 +290,7 @@ def block_loss(head, target, tokens_BxT, anchors_BxA, cfg: BlockTrainConfig, zer
         alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
         per = optax.sigmoid_binary_cross_entropy(conf, alpha)  # [B, A, W]
         bce = (jnp.sum(w * mean_BA(per)) / jnp.sum(w) if cfg.deepspec_loss
-               else jnp.sum(jnp.where(has, per, 0.0)) / jnp.maximum(jnp.sum(has), 1))
+               else jnp.mean(jnp.where(has, per, 0.0)) * (has.size / jnp.maximum(jnp.sum(has), 1)))
         loss = loss + bce
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p_t, -1), axis=(0, 1))
     metrics = {"ce": ce, "l1": mean_BA(l1), "bce": bce, "agree_tf": agree}
