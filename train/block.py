@@ -519,10 +519,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
         identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
-    if cfg.cache:  # the cache's stream (and a non-float32 target) are part of the run
-        identity["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
-        if drafter_run.target_weights(cfg) != "float32":
-            identity["target_weights"] = drafter_run.target_weights(cfg)
+    identity.update(drafter_run.cache_identity(cfg))  # recorded in the export, after the run's refusals
     tok = load_tokenizer(str(target_dir))
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
     stream = drafter_run.train_stream(cfg, run_dir, streams)  # the corpus, then extra_train

@@ -231,6 +231,17 @@ def target_weights(cfg) -> str:
     return target_cache.cache_weights(_resolve(cfg.cache)) if getattr(cfg, "cache", None) else "float32"
 
 
+def cache_identity(cfg) -> dict:
+    """What a run on an offline cache adds to its identity: the cache's stream, and its target's weight
+    dtype when not float32 (both may not change on resume)."""
+    if not getattr(cfg, "cache", None):
+        return {}
+    ident = {"cache_stream_sha256": target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]}
+    if target_weights(cfg) != "float32":
+        ident["target_weights"] = target_weights(cfg)
+    return ident
+
+
 def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
                  overwrite=False, progress=True, mesh=None, cache_layers=None):
     """The training loop of a drafter trained with `unrolled_loss` (feature, MTP): resumable (orbax,
@@ -243,10 +254,7 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
     ident = identity(cfg, target_dir)
-    if getattr(cfg, "cache", None):  # the cache's stream (and a non-float32 target) are part of the run
-        ident["cache_stream_sha256"] = target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]
-        if target_weights(cfg) != "float32":
-            ident["target_weights"] = target_weights(cfg)
+    ident.update(cache_identity(cfg))
     open_run(run_dir, export_dir, ident, overwrite)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
                                run_dir / "token-cache")

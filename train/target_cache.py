@@ -207,11 +207,6 @@ class TargetCache:
         return self.manifest["windows"]
 
     @property
-    def weights(self) -> str:
-        """The target's weight dtype the cache was built with (float32 for caches from before the option)."""
-        return self.manifest.get("weights", "float32")
-
-    @property
     def positions(self) -> int:
         return len(self) * self.manifest["seq_len"]
 
