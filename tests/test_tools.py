@@ -7,6 +7,8 @@ the round split and AdaptiveSpec; `profile_widths --adaptive` profiles the draft
 them); --smoke keeps its programs in memory (no `jax.clear_caches` between methods)."""
 import json
 
+import pytest
+
 
 def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     from tools import bench
@@ -195,3 +197,36 @@ def test_bench_weights_and_peers_table_smoke(tmp_path):
     assert table["our AR (int8)"]["vs_f32_ar"] == 1.2
     assert table["our n-gram (float32): ngram chain=6"]["weight_mb_per_token"] == f32["weight_mb_per_token"] / 2
     assert table["hf ar"]["tau"] == 1.0 and table["llama.cpp ar (Q4_1 weights)"]["unsupported"]
+
+
+def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(tmp_path):
+    import json
+    from tools import ablation_table, report
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    base = {"name": "abl-a", "target": "t", "block_size": 8, "seq_len": 64, "batch_size": 2, "eval_tokens": 128,
+            "cache": "c", "steps": 20, "init_from_target": True}
+    (configs / "abl-a.json").write_text(json.dumps(base))
+    runs = []
+    for name, cfg, agree in (("a", base, 0.4), ("b", {**base, "name": "abl-b", "init_from_target": False}, 0.3)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps(cfg))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "val_loss": 5.0, "val_agree": [agree, 0.1, 0.05, 0.01], "val_accept": [agree, 0.05, 0.0],
+             "val_tau_estimate": 1 + agree}) + "\n" for s in (10, 20)))
+        runs.append(f"{name}={d}")
+    out = tmp_path / "abl"
+    ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",
+                         "--configs", str(configs), "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["variant"] for r in data["rows"]] == ["a", "b"]
+    assert data["rows"][1]["what"] == "init_from_target=false" and data["rows"][1]["positions"] == 10 * 2 * 64
+    assert data["rows"][0]["command"].startswith("python -m train.block --config ")  # ran on to step 20: no --max-steps
+    assert "--max-steps" not in data["rows"][0]["command"] and data["rows"][1]["command"] is None  # b: no config
+    assert report.classify(data)[0] == "ablation"
+    (tmp_path / "b" / "run.json").write_text(json.dumps({**base, "eval_tokens": 256}))
+    with pytest.raises(SystemExit, match="validates differently"):
+        ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",
+                             "--configs", str(configs), "--out", str(out)])

@@ -689,6 +689,10 @@ def test_hybrid_target_trains_exports_and_matches_transformers(zoo, tmp_path):
                          progress=False)
     assert int(cstate["step"]) == 2
     manifest = json.loads((cache_dir / "manifest.json").read_text())
+    (cache_dir / "manifest.json").write_text(json.dumps({**manifest, "stream_sha256": "0" * 64}))
+    with pytest.raises(lm.RunRefused, match="cache_stream_sha256"):  # a resumed run refuses another cache
+        block.train(dataclasses.replace(ccfg, cache=str(cache_dir), steps=4, eval_every=2), tmp_path / "ready-c",
+                    progress=False)
     (cache_dir / "manifest.json").write_text(json.dumps({**manifest, "state_layers": [0]}))
     with pytest.raises(ValueError, match="holds the states of layers"):
         block.train(dataclasses.replace(ccfg, cache=str(cache_dir), steps=2), tmp_path / "ready-c2", progress=False)

@@ -19,7 +19,8 @@
     python -m tools.bench_round --smoke         # tiny random models (what the test runs)
     python -m tools.bench_round --split-only    # only the per-stage split (3), lm chain=4 by default
 
-Medians over repeats after a warm-up call; float32. Writes bench/<out>.md and .json
+Medians over repeats after a warm-up call; float32 unless `--weights` (bf16 / int8 storage, with the
+batch-invariant attention by default, as `tools.bench`). Writes bench/<out>.md and .json
 (`tools.harness.write_outputs`: "rows" are the rounds of 2; the forward costs, the split and the
 autoregressive ms/token beside them).
 """
@@ -42,7 +43,7 @@ from specjax.models import family, transformer
 from tools.harness import REPO, Column, median_ms, run_meta, smoke_models, write_outputs
 
 DEFAULT_TREES = {"ngram": ["chain=5"], "lm": ["chain=4", "depth=5,topk=4,nodes=16"],
-                 "feature": ["chain=3", "chain=5", "depth=5,topk=4,nodes=16"]}
+                 "feature": ["chain=3", "chain=5", "depth=5,topk=4,nodes=16"], "dspark": ["chain=4", "chain=8"]}
 
 
 def forward_costs(target, prompt_len: int, blocks: list[int], repeats: int, loops: int = 16) -> dict[int, float]:
@@ -93,14 +94,15 @@ def load_models(args):
         return target, {"ngram": NgramDrafter(), "lm": LMDrafter(draft)}, prompts, "tiny random models (--smoke)"
     tdir = Path(args.target)
     if (tdir / "config.json").exists():
-        target = specjax.load_model(str(tdir))
+        target = specjax.load_model(str(tdir), weights=args.weights, invariant=args.invariant)
         tok = specjax.load_tokenizer(str(tdir))
         from train import prompts as prompt_sets
         prompts = [c["ids"] for c in prompt_sets.prompt_set("functions", tok, args.prompts, context_tokens=args.context)]
         drafters = {"ngram": NgramDrafter()}
-        for name, d in (("lm", args.draft), ("feature", args.feature)):
+        for name, d in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
             if d and Path(d).is_dir():
-                drafters[name] = load_drafter(d, target, target_path=str(tdir))
+                drafters[name] = load_drafter(d, target, target_path=str(tdir),
+                                              **({"draft_vocab": args.draft_vocab} if name == "feature" and args.draft_vocab else {}))
         return target, drafters, prompts, f"zoo: {tdir.name}"
     from train import lm
     tcfg = lm.load_config(REPO / "configs/code-target.json").model
@@ -349,6 +351,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"))
     ap.add_argument("--feature", default=None,
                     help="feature drafter (default: the target's own, TARGET-feature, where it exists; '' for none)")
+    ap.add_argument("--dspark", default=None, help="a block (DSpark) drafter directory of the target (rows `dspark`)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the feature drafter's reduced draft vocabulary (as `tools.bench --draft-vocab`)")
+    ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="the target's weight storage (load_model(weights=...)); AR and every round run at it")
+    ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the target's batch-invariant attention (default: on at bfloat16 / int8, as tools.bench)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -357,14 +366,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--split", default="lm:chain=4,ngram:chain=5,feature:chain=5",
                     help="drafter:tree pairs of the per-stage split ('' for none)")
     ap.add_argument("--split-only", action="store_true", help="only the per-stage split")
+    ap.add_argument("--trees", default=None, metavar="NAME:SPEC;...",
+                    help="the rounds timed in (2), e.g. 'ngram:chain=6;dspark:chain=8' (default: each drafter's "
+                         "DEFAULT_TREES)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.feature is None:  # a feature drafter reads its own target's features: never another target's
         args.feature = f"{args.target.rstrip('/')}-feature"
+    if args.invariant is None:
+        args.invariant = args.weights != "float32"
     if args.smoke:
         args.new_tokens, args.repeats, args.context = 12, 1, 32
     out = Path(args.out or REPO / ("bench/bench_round_smoke" if args.smoke else "bench/bench_round"))
     target, drafters, prompts, what = load_models(args)
+    if args.weights != "float32":
+        what += f", {args.weights} weights" + (", batch-invariant attention" if args.invariant else "")
     split = []
     for item in filter(None, ("lm:chain=4" if args.smoke else args.split).split(",")):
         name, _, spec = item.partition(":")
@@ -378,13 +394,21 @@ def main(argv=None) -> dict:
         f"{max(args.repeats * 5, 5)} calls. Bookkeeping = whole round − target forward − the drafter's own "
         "forwards (depth × one step, and its commit).", ""] + split_table(split) + [""]
     if args.split_only:
-        meta = run_meta("bench_round", argv, what=what, context=args.context, repeats=args.repeats)
+        meta = run_meta("bench_round", argv, what=what, context=args.context, repeats=args.repeats,
+                        weights=args.weights, invariant=args.invariant)
         md = write_outputs(out, meta, split, None, title=f"One round, stage by stage ({what})",
                            intro=split_lines[2:], extra={"split": split})
         print(md.read_text())
         return {"split": split}
     # --smoke: one chain per drafter, so the few compiles stay cheap.
     trees = {name: ["chain=4"] if args.smoke else DEFAULT_TREES[name] for name in drafters}
+    if args.trees and not args.smoke:
+        trees = {}
+        for item in filter(None, (t.strip() for t in args.trees.split(";"))):
+            name, sep, spec = item.partition(":")
+            if not sep or name not in drafters:
+                ap.error(f"--trees {item!r}: expected NAME:SPEC with NAME one of {sorted(drafters)}")
+            trees.setdefault(name, []).append(spec)
     blocks = sorted(({1} if args.smoke else {1, 2, 4, 8, 16}) | {tree_nodes(t) for ts in trees.values() for t in ts})
     fwd = forward_costs(target, args.context, blocks, max(args.repeats * 3, 3))
 
@@ -405,7 +429,7 @@ def main(argv=None) -> dict:
         ar_ms.append(decode_ms(p) / (args.new_tokens - 1))
     ar = statistics.median(ar_ms)
     for name, drafter in drafters.items():
-        for spec in trees[name]:
+        for spec in trees.get(name, []):
             per_round, taus = [], []
             for p in prompts:
                 res = specjax.generate(target, [p], drafters=[drafter], tree=spec, **kw)
@@ -418,9 +442,10 @@ def main(argv=None) -> dict:
                          "verify_ms": verify, "rest_ms": ms_round - verify, "break_even_tau": ms_round / ar,
                          "tau": tau, "speedup": tau * ar / ms_round})
     meta = run_meta("bench_round", argv, what=what, context=args.context, new_tokens=args.new_tokens,
-                    prompts=len(prompts), repeats=args.repeats)
+                    prompts=len(prompts), repeats=args.repeats, weights=args.weights, invariant=args.invariant)
     result = {"meta": meta, "what": what, "ar_ms_per_token": ar, "forward_ms": fwd, "rounds": rows, "split": split}
-    intro = [f"Batch 1, prompts of {args.context} tokens, {args.new_tokens} new tokens, greedy, float32, "
+    dtype = args.weights + (" weights, batch-invariant attention" if args.invariant else "")
+    intro = [f"Batch 1, prompts of {args.context} tokens, {args.new_tokens} new tokens, greedy, {dtype}, "
              f"{meta['backend']}; medians over {args.repeats} repeats. Decode phase only: "
              "every ms below is a whole generation's minus its prefill's (the same call with max_new_tokens=1). "
              f"Autoregressive: **{ar:.2f} ms/token**.", "",

@@ -83,6 +83,8 @@ def classify(data: dict) -> tuple[str, list]:
         return "split", data["split"]
     rows = rows or []
     first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    if "variant" in first and "steps" in first:  # tools.ablation_table (and the first hand-made ablation files)
+        return "ablation", rows
     for key, kind in (("agreement", "adaptive"), ("library", "ar"), ("loop_s", "runtime_ab"), ("cache_hits", "compile"),
                       ("critical_path", "critical_path"), ("impl", "kernels"), ("variant", "long"),
                       ("mean_tau", "tune"), ("mesh", "mesh"), ("break_even_tau", "round"), ("tau_estimate", "anchors"),
@@ -220,12 +222,15 @@ def title(res: Result) -> str:
              "long": "FOLD on long contexts", "tune": "FOLD tuning (validation split)",
              "mesh": "Sharded generation", "round": "Where a round's time goes", "split": "One round, stage by stage",
              "anchors": "Block drafters on one set of anchors", "treegraft": "TreeGraft",
-             "profile": "Verify-width profile", "generic": "Results"}
+             "profile": "Verify-width profile", "ablation": "Training-recipe ablation at equal steps",
+             "generic": "Results"}
     extra = ""
     if res.kind == "spec" and m.get("batch") is not None:
         extra = f", batch {m['batch']}" + (f", {m['kind']} prompts" if m.get("kind") else "")
     if res.kind == "profile":
         extra = f", tree {m.get('tree')}, drafter {m.get('drafter')}"
+    if res.kind == "ablation" and m.get("title"):
+        return m["title"]
     return names[res.kind] + where + extra
 
 

@@ -517,9 +517,9 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
                              f"{cfg.state_every} with blocks of {hcfg_check.block_size}: at most {n}")
     if cfg.init_from:  # the starting weights are part of the run (a retrained export changes its digest)
         identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
+    identity.update(drafter_run.cache_identity(cfg))  # a resumed run refuses a changed cache
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
-    identity.update(drafter_run.cache_identity(cfg))  # recorded in the export, after the run's refusals
     tok = load_tokenizer(str(target_dir))
     streams = load_streams_for(tok, cfg.manifest, cfg.corpus_root, cfg.max_files, run_dir / "token-cache")
     stream = drafter_run.train_stream(cfg, run_dir, streams)  # the corpus, then extra_train

@@ -621,6 +621,31 @@ verifying the whole tree: {int(sum(seen))} observed nodes, acceptance by depth {
 """
 
 
+def ablation_section(model_dir: Path, bench_dir: Path | None = None) -> str:
+    """The card's recipe ablations: every `bench/ablation_*.json` whose meta names this model
+    (`tools.ablation_table --model`), as a table of its rows at equal steps, or "" when none does."""
+    bench_dir = bench_dir or REPO / "bench"
+    parts = []
+    for f in sorted(bench_dir.glob("ablation_*.json")):
+        d = json.loads(f.read_text())
+        m = d.get("meta", {})
+        if m.get("model") != model_dir.name:
+            continue
+        rows = "\n".join(f"| {r['variant']} | {r['what']} | {r['steps']} | {r.get('agree', r.get('agree0', ''))} | "
+                         f"{r.get('accept', '')} | {r['tau_est']:.3f} |" if r.get("tau_est") is not None else
+                         f"| {r['variant']} | {r['what']} | {r['steps']} | {r.get('agree', r.get('agree0', ''))} | | |"
+                         for r in d["rows"])
+        title = m.get("title") or f.stem.replace("_", " ")
+        parts.append(f"{title} ([bench/{f.stem}.md](../../bench/{f.stem}.md); {m.get('cpu', 'CPU not recorded')}, "
+                     f"{m.get('date', '')[:10]}):\n\n| variant | what | steps | agreement with the target | "
+                     f"acceptance @0/1/2 | τ estimate |\n|---|---|---:|---|---|---:|\n{rows}\n")
+    if not parts:
+        return ""
+    return ("\n## Recipe ablations (equal steps)\n\nValidation of each variant at the same step "
+            "(agreement: block drafters by block position, unrolled drafters by step; one seed each).\n\n"
+            + "\n".join(parts))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
@@ -643,7 +668,7 @@ def main(argv=None) -> None:
             reuse = old["test"]
         card, record = lm_card(args.model, args.max_tokens, progress=True, reuse_test=reuse,
                                compare=tuple(args.compare))
-    (args.model / "README.md").write_text(card + adaptive_section(args.model))
+    (args.model / "README.md").write_text(card + ablation_section(args.model) + adaptive_section(args.model))
     (args.model / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {_rel(args.model / 'README.md')}")
 
