@@ -133,17 +133,20 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     Tp = q_BxTxHxD.shape[1]
     hi = jax.lax.Precision.HIGHEST  # plain float32 products (no TF32 / bf16 passes on accelerators)
     qk_levels = int(math.isqrt(_F32_EXACT // D)) - 1
-    qi_BxTxKxGxD, qs_BxTxKxGx1 = _levels(q_BxTxHxD.astype(jnp.float32).reshape(B, Tp, K, G, D), -1, qk_levels)
-    ki_BxCxKxD, ks_BxCxKx1 = _levels(k_BxCxKxD.astype(jnp.float32), -1, qk_levels)
-    acc_BxKxTxGxC = jnp.einsum("btkgd,bckd->bktgc", qi_BxTxKxGxD, ki_BxCxKxD, precision=hi)  # exact integers
-    qs_BxKxTxGx1 = jnp.transpose(qs_BxTxKxGx1, (0, 2, 1, 3, 4)) / math.sqrt(D)
-    ks_Bx1x1x1xC = jnp.transpose(ks_BxCxKx1[..., 0], (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, C]
-    s = rounded(acc_BxKxTxGxC * qs_BxKxTxGx1 * ks_Bx1x1x1xC)  # rounded: no FMA with the subtraction below
+    # Every tensor in [B, K, ...] order: the dots batch over (B, K) as leading axes. (A dot whose batch
+    # axes are not leading, or whose output is transposed, made XLA:CPU copy or loop: 2.7x the time
+    # of the whole attention at T = 16.) The sums are exact integers, so the order changes no bit.
+    q_BxKxTxGxD = jnp.transpose(q_BxTxHxD.astype(jnp.float32).reshape(B, Tp, K, G, D), (0, 2, 1, 3, 4))
+    qi_BxKxTxGxD, qs_BxKxTxGx1 = _levels(q_BxKxTxGxD, -1, qk_levels)
+    ki_BxKxCxD, ks_BxKxCx1 = _levels(jnp.transpose(k_BxCxKxD.astype(jnp.float32), (0, 2, 1, 3)), -1, qk_levels)
+    acc_BxKxTxGxC = jnp.einsum("bktgd,bkcd->bktgc", qi_BxKxTxGxD, ki_BxKxCxD, precision=hi)  # exact integers
+    ks_BxKx1x1xC = ks_BxKxCx1[..., 0][:, :, None, None, :]
+    s = rounded(acc_BxKxTxGxC * (qs_BxKxTxGx1 / math.sqrt(D)) * ks_BxKx1x1xC)  # rounded: no FMA with the subtraction below
     valid = visible_BxTxC[:, None, :, None, :]  # [B, 1, T, 1, C]
     m = jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True)
     e = jnp.where(valid, exp(jnp.where(valid, s - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)), 0.0)  # [0, 1]
-    vi_BxCxKxD, vs_BxCxKx1 = _levels(v_BxCxKxD.astype(jnp.float32), -1, _V_LEVELS)
-    vs_BxKx1x1xC = jnp.transpose(vs_BxCxKx1[..., 0], (0, 2, 1))[:, :, None, None, :]
+    vi_BxKxCxD, vs_BxKxCx1 = _levels(jnp.transpose(v_BxCxKxD.astype(jnp.float32), (0, 2, 1, 3)), -1, _V_LEVELS)
+    vs_BxKx1x1xC = vs_BxKxCx1[..., 0][:, :, None, None, :]
     vmax = jnp.max(jnp.where(valid, vs_BxKx1x1xC, 0.0), axis=-1, keepdims=True)
     wq = float((1 << _W_BITS) - 1)
     w_int = jnp.round(e * (vs_BxKx1x1xC / jnp.where(vmax > 0, vmax, 1.0)) * wq).astype(jnp.int32)
@@ -155,10 +158,10 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     n = -(-_W_BITS // b)
     digits = jnp.concatenate([((w_int >> (b * i)) & ((1 << b) - 1)).astype(jnp.float32)  # least significant first
                               for i in range(n)], axis=3)  # [B, K, T, n * G, C]: one matmul reads V once
-    parts = jnp.einsum("bktgc,bckd->btkgd", digits, vi_BxCxKxD, precision=hi)  # exact integers
+    parts = jnp.einsum("bktgc,bkcd->bktgd", digits, vi_BxKxCxD, precision=hi)  # exact integers
     out = parts[:, :, :, (n - 1) * G:]
     for i in reversed(range(n - 1)):  # x * 2^b is exact: an FMA rounds as a multiply and an add do
         out = out * float(1 << b) + parts[:, :, :, i * G:(i + 1) * G]
-    scale = jnp.transpose(vmax / jnp.where(z > 0, z, 1).astype(jnp.float32), (0, 2, 1, 3, 4))  # [B, T, K, G, 1]
-    out = jnp.where(jnp.transpose(z, (0, 2, 1, 3, 4)) > 0, out * scale, 0.0)
+    out = jnp.where(z > 0, out * (vmax / jnp.where(z > 0, z, 1).astype(jnp.float32)), 0.0)  # [B, K, T, G, D]
+    out = jnp.transpose(out, (0, 2, 1, 3, 4))  # [B, T, K, G, D]: small, after the dots
     return out.reshape(B, Tp, H, D)[:, :T].astype(v_BxCxKxD.dtype)
