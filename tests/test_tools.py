@@ -217,8 +217,8 @@ def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(t
             {"step": s, "val_loss": 5.0, "val_agree": [agree, 0.1, 0.05, 0.01], "val_accept": [agree, 0.05, 0.0],
              "val_tau_estimate": 1 + agree}) + "\n" for s in (10, 20)))
         runs.append(f"{name}={d}")
-    out = tmp_path / "abl"
-    ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",
+    out = tmp_path / "ablation_t"
+    ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T", "--model", "m",
                          "--configs", str(configs), "--out", str(out)])
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["variant"] for r in data["rows"]] == ["a", "b"]
@@ -226,6 +226,10 @@ def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(t
     assert data["rows"][0]["command"].startswith("python -m train.block --config ")  # ran on to step 20: no --max-steps
     assert "--max-steps" not in data["rows"][0]["command"] and data["rows"][1]["command"] is None  # b: no config
     assert report.classify(data)[0] == "ablation"
+    from train import model_card
+    card = model_card.ablation_section(tmp_path / "m", bench_dir=tmp_path)  # the card of the model it names
+    assert "| b | init_from_target=false | 10 | 0.300 / 0.100 / 0.050 / 0.010 | 0.300 / 0.050 / 0.000 | 1.300 |" in card
+    assert model_card.ablation_section(tmp_path / "other", bench_dir=tmp_path) == ""
     (tmp_path / "b" / "run.json").write_text(json.dumps({**base, "eval_tokens": 256}))
     with pytest.raises(SystemExit, match="validates differently"):
         ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",

@@ -76,7 +76,9 @@ class Method:
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
     """A block drafter's chain of its block size: confidence off, at `threshold` and (given costs)
-    scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only); and a
+    scheduled, each greedy, at T=1 deterministic and at T=1 sampled (DFlash: off only); the chain of
+    half the block, greedy (where a verification of the full block costs more than its later
+    positions' acceptance brings); and a
     dynamic tree from the same one pass (`BLOCK_TREE`, greedy). A state-reading drafter (ReaDy)
     also gets its ablation: the chain with the reader on zeroed states, greedy and at T=1."""
     chain = f"chain={drafter.head.config.block_size}"
@@ -97,6 +99,9 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
     if drafter.head.config.reads_state:
         out += [Method(f"{name} {chain} zero-state", name, chain, zero_state=True),
                 Method(f"{name} {chain} zero-state T=1", name, chain, 1.0, zero_state=True)]
+    half = drafter.head.config.block_size // 2
+    if half >= 2 and not drafter.head.config.reads_state:  # a shorter chain: verifies fewer tokens a round
+        out.append(Method(f"{name} chain={half}", name, f"chain={half}"))
     depth = min(BLOCK_TREE[0], drafter.head.config.block_size)
     if depth < 2:  # a one-position block has no tree to speak of
         return out
