@@ -234,3 +234,12 @@ def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(t
     with pytest.raises(SystemExit, match="validates differently"):
         ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",
                              "--configs", str(configs), "--out", str(out)])
+
+
+def test_profile_round_smoke():
+    """The op-level profile of a round runs and sums its ops per round (scopes need a fresh process's dump)."""
+    from tools import profile_round
+    assert profile_round.main(["--smoke"]) == 0
+    assert profile_round.scope_of("jit(_generate_spec)/while/body/draft/while/body/dot_general") == "draft"
+    assert profile_round.scope_of("jit(_generate_spec)/prefill/dot_general") == "prefill"
+    assert profile_round.scope_of("") == "(no metadata)"

@@ -85,6 +85,8 @@ def classify(data: dict) -> tuple[str, list]:
     first = rows[0] if rows and isinstance(rows[0], dict) else {}
     if "variant" in first and "steps" in first:  # tools.ablation_table (and the first hand-made ablation files)
         return "ablation", rows
+    if first.get("kind") == "scope" and "ms_per_round" in first:  # tools.profile_round
+        return "ops", rows
     for key, kind in (("agreement", "adaptive"), ("library", "ar"), ("loop_s", "runtime_ab"), ("cache_hits", "compile"),
                       ("critical_path", "critical_path"), ("impl", "kernels"), ("variant", "long"),
                       ("mean_tau", "tune"), ("mesh", "mesh"), ("break_even_tau", "round"), ("tau_estimate", "anchors"),
@@ -222,7 +224,7 @@ def title(res: Result) -> str:
              "long": "FOLD on long contexts", "tune": "FOLD tuning (validation split)",
              "mesh": "Sharded generation", "round": "Where a round's time goes", "split": "One round, stage by stage",
              "anchors": "Block drafters on one set of anchors", "treegraft": "TreeGraft",
-             "profile": "Verify-width profile", "ablation": "Training-recipe ablation at equal steps",
+             "profile": "Verify-width profile", "ablation": "Training-recipe ablation at equal steps", "ops": "A round op by op",
              "generic": "Results"}
     extra = ""
     if res.kind == "spec" and m.get("batch") is not None:
