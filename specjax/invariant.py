@@ -133,9 +133,9 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     Tp = q_BxTxHxD.shape[1]
     hi = jax.lax.Precision.HIGHEST  # plain float32 products (no TF32 / bf16 passes on accelerators)
     qk_levels = int(math.isqrt(_F32_EXACT // D)) - 1
-    # Every tensor in [B, K, ...] order: the dots batch over (B, K) as leading axes. (A dot whose batch
-    # axes are not leading, or whose output is transposed, made XLA:CPU copy or loop: 2.7x the time
-    # of the whole attention at T = 16.) The sums are exact integers, so the order changes no bit.
+    # Every tensor in [B, K, ...] order: the dots batch over (B, K) as leading axes (a dot whose batch
+    # axes are not leading, or whose output is transposed, made XLA:CPU copy or loop; design §17 has
+    # the forward's cost before and after). The sums are exact integers, so the order changes no bit.
     q_BxKxTxGxD = jnp.transpose(q_BxTxHxD.astype(jnp.float32).reshape(B, Tp, K, G, D), (0, 2, 1, 3, 4))
     qi_BxKxTxGxD, qs_BxKxTxGx1 = _levels(q_BxKxTxGxD, -1, qk_levels)
     ki_BxKxCxD, ks_BxKxCx1 = _levels(jnp.transpose(k_BxCxKxD.astype(jnp.float32), (0, 2, 1, 3)), -1, qk_levels)
