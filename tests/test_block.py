@@ -405,6 +405,8 @@ def test_draft_vocabulary(dense, tmp_path):
     outside = ~np.isin(np.arange(VOCAB), ids)
     assert (np.asarray(prop.probs[0, :W])[:, outside] == 0).all()
     assert np.isin(np.asarray(prop.tree.tokens[0, 1:]), ids).all()
+    # the greedy walk takes its argmax over the N and maps it to the id: the full row's argmax
+    assert (np.asarray(prop.tree.tokens[0, 1:]) == np.argmax(np.asarray(prop.probs[0, :W]), -1)).all()
     lq = d.score(st, prop.tree)
     np.testing.assert_allclose(np.exp(np.asarray(lq[:, :W])), np.asarray(prop.probs[:, :W]), atol=1e-5)
     prompts = _ragged(data, 4)

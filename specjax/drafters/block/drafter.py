@@ -51,6 +51,7 @@ from specjax.drafters.block.network import (
     position_logits,
     row_logits,
     target_features,
+    widen,
 )
 from specjax.drafters.block.ready import ReadsState, check_state_target, state_injector
 from specjax.kvcache import KVCache
@@ -222,21 +223,26 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
         temps = jnp.asarray(cfg.confidence_temperatures or (1.0,) * cfg.drafts, jnp.float32)
         V = self.vocab_size
+        # A greedy walk over a draft vocabulary scores its N tokens only (argmax there, then the id): the
+        # full-vocabulary row is -inf outside them, so the token and its log q are the same.
+        narrow = ctx.mode == "topk" and self.head.vocab_ids is not None
 
         def walk(k, carry):  # the Markov walk, the only sequential part: one step per position, in a loop
             prev, toks, logqs, probs, confs = carry
             m = markov_embed(self.head, prev)
             at = lambda x: None if x is None else x[:, k]  # noqa: E731
-            logits = row_logits(self.head, self.target, at(base), at(pre), h[:, k], prev)
+            logits = row_logits(self.head, self.target, at(base), at(pre), h[:, k], prev, wide=not narrow)
             lq = jax.nn.log_softmax(logits, -1) if ctx.mode == "topk" else sampling.warp(logits, ctx.params)
             if ctx.mode == "topk":
-                x = jnp.argmax(lq, -1).astype(jnp.int32)
+                j = jnp.argmax(lq, -1).astype(jnp.int32)
+                x = self.head.vocab_ids[...][j].astype(jnp.int32) if narrow else j
             else:  # one child per node: with and without replacement draw alike
-                x = jax.random.categorical(jax.random.fold_in(ctx.key, k), lq, axis=-1).astype(jnp.int32)
+                j = x = jax.random.categorical(jax.random.fold_in(ctx.key, k), lq, axis=-1).astype(jnp.int32)
             if cfg.confidence:
                 confs = confs.at[:, k].set(jax.nn.sigmoid(confidence_logit(self.head, h[:, k], m) / temps[k]))
-            return (x, toks.at[:, k].set(x), logqs.at[:, k].set(jnp.take_along_axis(lq, x[:, None], axis=-1)[:, 0]),
-                    probs.at[:, k].set(jnp.exp(lq)), confs)
+            q = jnp.exp(widen(self.head, lq) if narrow else lq)
+            return (x, toks.at[:, k].set(x), logqs.at[:, k].set(jnp.take_along_axis(lq, j[:, None], axis=-1)[:, 0]),
+                    probs.at[:, k].set(q), confs)
 
         init = (root_B, jnp.zeros((B, d), jnp.int32), jnp.zeros((B, d), jnp.float32),
                 jnp.zeros((B, d + 1, V), jnp.float32), jnp.zeros((B, d), jnp.float32))  # the leaf's q is never used

@@ -240,13 +240,14 @@ def ar_logits(head: BlockHead, target, pre_xE, h_xE, prev_x, wide: bool = True):
     return position_logits(head, base_logits(head, target, rms_norm(head.norm, x)), markov_embed(head, prev_x), wide)
 
 
-def row_logits(head: BlockHead, target, base_xV, pre_xE, h_xE, prev_x):
+def row_logits(head: BlockHead, target, base_xV, pre_xE, h_xE, prev_x, wide: bool = True):
     """The logits a drafting step walks at a block position given its previous token: the Markov head
     b_k + W2(W1[x_{k-1}]) (DSpark; b_k for DFlash), or, for DPara with an autoregressive head
-    (`ar_drafts`), `ar_logits` (base unused: None)."""
+    (`ar_drafts`), `ar_logits` (base unused: None). Over the full vocabulary (`wide`), or over the
+    draft vocabulary's N (a greedy walk takes its argmax there, then the token's id)."""
     if head.config.ar_drafts:
-        return ar_logits(head, target, pre_xE, h_xE, prev_x)
-    return position_logits(head, base_xV, markov_embed(head, prev_x))
+        return ar_logits(head, target, pre_xE, h_xE, prev_x, wide=wide)
+    return position_logits(head, base_xV, markov_embed(head, prev_x), wide=wide)
 
 
 def confidence_logit(head: BlockHead, h_xE, m_xR):
