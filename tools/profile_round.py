@@ -133,9 +133,7 @@ def main(argv=None) -> int:
     cols = [Column("kind", "kind", right=False), Column("name", "name", right=False), Column("scope", "scope", right=False),
             Column("shape", "shape", right=False), Column("calls / round", "calls_per_round", "{:.1f}"),
             Column("ms / round", "ms_per_round", "{:.3f}"), Column("share of the loop", "share", "{:.1%}")]
-    out = Path(args.out or ("bench/profile_round_smoke" if args.smoke else "bench/profile_round"))
-    if args.smoke:
-        out = work / "profile_round_smoke"
+    out = work / "profile_round_smoke" if args.smoke else Path(args.out or "bench/profile_round")  # smoke: nothing in bench/
     md = write_outputs(out, meta_out, rows, cols, title=f"A round op by op ({what}; {args.drafter} {args.tree})",
                        intro=[f"{rounds} rounds of one prompt, {args.new_tokens} new tokens; µs of each XLA op "
                               "under the profiler, summed and divided by the rounds (profiler overhead included: "

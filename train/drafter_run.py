@@ -237,9 +237,8 @@ def cache_identity(cfg) -> dict:
     if not getattr(cfg, "cache", None):
         return {}
     ident = {"cache_stream_sha256": target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]}
-    if target_weights(cfg) != "float32":
-        ident["target_weights"] = target_weights(cfg)
-    return ident
+    weights = target_weights(cfg)
+    return ident if weights == "float32" else {**ident, "target_weights": weights}
 
 
 def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
