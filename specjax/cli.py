@@ -128,6 +128,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="an MTP or feature drafter scores only the N most frequent tokens of its training data (the LM head's "
                         "N rows; lossless: q is zero elsewhere); default: the full vocabulary")
+    p.add_argument("--draft-weights", default=None, choices=("float32", "bfloat16", "int8"),
+                   help="storage dtype of the learned drafters' own networks' projections (weight-only, as --weights "
+                        "for the target; lossless whatever it is: the target verifies); default: float32")
     p.add_argument("--boundaries", type=int, default=None, metavar="B",
                    help="a DPara drafter's chain precomputes only its first B acceptance boundaries beside the "
                         "verification (the rest after it, in the rounds that reach them); default: every one")
@@ -299,7 +302,8 @@ def run_generate(args: argparse.Namespace) -> int:
         # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
         drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
                                 target_path=args.model, confidence=confidence, costs=costs,
-                                draft_vocab=None if d.startswith("ngram") else args.draft_vocab)
+                                draft_vocab=None if d.startswith("ngram") else args.draft_vocab,
+                                draft_weights=None if d.startswith("ngram") else args.draft_weights)
                     for d in args.drafter]
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None

@@ -322,25 +322,31 @@ def zoo_setup(args):
     from train import prompts as prompt_sets
     target = specjax.load_model(args.target, weights=args.weights, invariant=args.invariant)
     tok = load_tokenizer(args.target)
-    drafters = {}
+    drafters, loaded = {}, {}
+
+    def add(name, spec, **options):
+        drafters[name] = load_drafter(spec, target, **options)
+        loaded[name] = (spec, options)
+
     if args.draft and os.path.isdir(args.draft):
-        drafters["lm"] = load_drafter(args.draft, target)
+        add("lm", args.draft)
     if args.feature and os.path.isdir(args.feature):
-        drafters["feature"] = load_drafter(args.feature, target, target_path=args.target)
+        add("feature", args.feature, target_path=args.target)
     extra = [tuple(x.split("=", 1)) for x in args.block]
     for name, d in [("dspark", args.dspark), ("dflash", args.dflash), ("ready", args.ready), ("dpara", args.dpara)] + extra:
         if d and os.path.isdir(d):  # block drafters, where trained
-            drafters[name] = load_drafter(d, target, target_path=args.target)
+            add(name, d, target_path=args.target)
     if args.mtp and os.path.isdir(args.mtp):  # an MTP module: its own directory, or the target's own mtp.* tensors
-        drafters["mtp"] = load_drafter(args.mtp, target, target_path=args.target)
+        add("mtp", args.mtp, target_path=args.target)
     elif args.mtp == "target":
-        drafters["mtp"] = load_drafter("mtp", target, target_path=args.target)
+        add("mtp", "mtp", target_path=args.target)
     for n in args.draft_vocab or ():  # reduced draft vocabularies: rows "mtp@N", "feature@N"
-        if "mtp" in drafters:
-            drafters[f"mtp@{n}"] = load_drafter(args.mtp if args.mtp != "target" else "mtp", target,
-                                                target_path=args.target, draft_vocab=n)
-        if "feature" in drafters:
-            drafters[f"feature@{n}"] = load_drafter(args.feature, target, target_path=args.target, draft_vocab=n)
+        for name in ("mtp", "feature"):
+            if name in loaded:
+                add(f"{name}@{n}", loaded[name][0], target_path=args.target, draft_vocab=n)
+    for w in args.draft_weights or ():  # the learned drafters' own networks stored narrower: rows "dspark-int8 ..."
+        for name, (spec, options) in list(loaded.items()):
+            add(f"{name}-{w}", spec, **options, draft_weights=w)
     drafters["ngram"] = NgramDrafter()
     if args.kind == "chat":
         prompts = chat_prompts(args.target, tok, args.chat_prompts, args.prompts)
@@ -480,6 +486,10 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", default=None, metavar="N,N,...",
                     help="also the MTP module with reduced draft vocabularies of these sizes (methods 'mtp@N ...': "
                          "the N most frequent training tokens' LM-head rows only)")
+    ap.add_argument("--draft-weights", default=None, metavar="DTYPE,...",
+                    help="also every learned drafter with its own network's projections stored as DTYPE (bfloat16 / "
+                         "int8; methods 'NAME-DTYPE ...', e.g. 'dspark-int8 chain=4'); the target's parts it borrows "
+                         "stay at --weights")
     ap.add_argument("--block", action="append", default=[], metavar="NAME=DIR",
                     help="another block drafter under a method name of its own (repeatable), e.g. an ablation: "
                          "--block ready-l6=runs/ready-l6-export")
@@ -547,6 +557,11 @@ def main(argv=None):
             args.draft_vocab = [int(x) for x in args.draft_vocab.split(",")]
         except ValueError:
             ap.error(f"--draft-vocab {args.draft_vocab}: expected comma-separated token counts")
+    if args.draft_weights:
+        args.draft_weights = [w.strip() for w in args.draft_weights.split(",")]
+        bad = [w for w in args.draft_weights if w not in ("bfloat16", "int8")]
+        if bad:
+            ap.error(f"--draft-weights {','.join(bad)}: expected bfloat16 and/or int8")
     if not 0 < args.dspark_threshold < 1:
         ap.error(f"--dspark-threshold must be in (0, 1), got {args.dspark_threshold}")
 

@@ -13,12 +13,13 @@ from specjax.drafters.interop import FORMATS, InteropError
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from specjax.drafters.ngram import NgramDrafter
+from specjax.models import quant
 
 __all__ = ["FORMATS", "InteropError", "REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, draft_weights: str | None = None):
     """A drafter from a command-line spec, through the registry (`base.register`): the bare name of a
     drafter that needs no directory (`ngram`, `ngram:N`; `mtp`: the MTP layers of the target's own
     checkpoint, `target_path`), a drafter directory whose `drafter_config.json` names its kind
@@ -27,6 +28,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     drafter's confidence cut ("off", a threshold, or "schedule" with round seconds per verify width).
     `draft_vocab`: an MTP or feature drafter's reduced draft vocabulary, the N most frequent tokens of
     the ranking shipped beside its weights (`specjax.drafters.vocab`).
+    `draft_weights`: the storage dtype of the drafter's own network's projections (float32 / bfloat16 / int8,
+    `Drafter.with_weights`); the parts it borrows from the target stay as the target is loaded.
     `target_path`: the target's directory; a drafter trained on other weights (its `train_info.json`
     records the digest) is refused: shapes alone do not tell two targets of the same size apart, and a
     foreign head silently drafts badly. Every option a kind does not take is refused before loading."""
@@ -34,6 +37,10 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
              "costs": None if costs is None else tuple(costs), "draft_vocab": draft_vocab}
     kind = drafter_kind(spec)
     cls = REGISTRY[kind]
+    if draft_weights is not None:
+        quant.check_weights(draft_weights)
+        if draft_weights != "float32" and not cls.OWN:
+            raise ValueError(f"the {kind!r} drafter has no network of its own to store at {draft_weights} (--draft-weights)")
     takes = inspect.signature(cls.load).parameters
     for name, value in given.items():
         if value is not None and name not in takes:
@@ -43,7 +50,8 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     kwargs = {k: v for k, v in given.items() if v is not None}
     if "target_path" in takes:
         kwargs["target_path"] = target_path
-    return cls.load(spec, target, **kwargs)
+    drafter = cls.load(spec, target, **kwargs)
+    return drafter if draft_weights in (None, "float32") else drafter.with_weights(draft_weights)
 
 
 OPTION_WORDS = {

@@ -38,6 +38,10 @@ hooks (host side, before tracing)
                          ValueError on a setup it cannot draft (default: sampled rules need gives_q)
     validate(capacity)   its own checks against the cache capacity (default: none)
     with_fold(cfg)       the same drafter (same weights) with FOLD on (cfg) or off (None)
+    with_weights(dtype)  the drafter with its own network's projection weights stored as dtype
+                         (float32 / bfloat16 / int8, `specjax.models.quant`), in place; the parts it
+                         borrows from the target stay as the target has them. `OWN` names the
+                         attributes holding its own network (default none: nothing to store)
     verify_widths(spec) -> the static tree widths (node counts, root included, ascending, the last
                          spec.num_nodes) the program compiles verification for; each round verifies
                          the smallest that holds every active row's last valid node (`lax.switch`,
@@ -65,7 +69,7 @@ from jaxtyping import PyTree
 
 from specjax import sharding
 from specjax.kvcache import KVCache
-from specjax.models import transformer
+from specjax.models import quant, transformer
 from specjax.models.hybrid import HybridCache
 from specjax.sampling import SamplingParams
 from specjax.tree import BestFirstTree, TreeBuffers, TreeSpec
@@ -161,6 +165,7 @@ class Drafter(nnx.Module):
     default_tree: ClassVar[str] = "chain=4"  # a drafter may make it a property (a block drafter: its block)
     partition_rules: ClassVar[tuple] = transformer.PARTITION_RULES
     by_name: ClassVar[bool] = False  # `load_drafter(name)` loads it without a directory (ngram, mtp)
+    OWN: ClassVar[tuple[str, ...]] = ()  # attributes holding its own network (`with_weights`)
 
     @classmethod
     def load(cls, spec: str, target, **options) -> "Drafter":
@@ -216,6 +221,22 @@ class Drafter(nnx.Module):
         raise ValueError(f"FOLD changes a drafter's attention; the {self.name!r} drafter has none "
                          "(use it with an lm or feature drafter)")
 
+    @property
+    def has_own_weights(self) -> bool:
+        return bool(self.OWN)
+
+    def with_weights(self, weights: str) -> "Drafter":
+        """This drafter with the projection weights of its own network (`OWN`) stored as `weights`, in
+        place (`quant.quantize_linears`); returns it. The target's parts it borrows are not touched.
+        Losslessness does not depend on it: the target verifies whatever is drafted."""
+        quant.check_weights(weights)
+        if weights != "float32":
+            if not self.has_own_weights:
+                raise ValueError(f"the {self.name!r} drafter has no network of its own to store at {weights}")
+            for n in self.OWN:
+                quant.quantize_linears(getattr(self, n), weights)
+        return self
+
     def verify_widths(self, spec: TreeSpec) -> tuple[int, ...]:
         """On the host before tracing: the tree widths (node counts, root included, ascending and
         unique, the last == spec.num_nodes) the program compiles the target's verification for.
@@ -243,6 +264,7 @@ class Composite(Drafter):
         vocab_size        the parts' one vocabulary (None only if every part works with any)
         target_layers     the union of the parts' (the engine gathers them once for all)
         attends           any part's (FOLD composes through: `with_fold` reaches each part that attends)
+        has_own_weights   any part's (`with_weights` reaches each part that has a network of its own)
         partition_rules   every part's rules (regexes on the parameter path also match under the part's
                           attribute), so a wrapped drafter is sharded on a mesh as the bare one
         resolve_tree, default_tree, verify_widths   the primary part's (`PRIMARY`, default the first)
@@ -308,6 +330,21 @@ class Composite(Drafter):
             raise ValueError(f"FOLD changes a drafter's attention; none of the drafters {type(self).__name__} "
                              f"combines ({', '.join(repr(p.name) for p in self.parts())}) has any")
         return self.rebuild(**{n: (p.with_fold(cfg) if p.attends else p) for n, p in zip(self.PARTS, self.parts())})
+
+    @property
+    def has_own_weights(self) -> bool:
+        return any(p.has_own_weights for p in self.parts())
+
+    def with_weights(self, weights: str) -> "Drafter":
+        """`with_weights` on every part that has a network of its own (in place); returns the composite."""
+        quant.check_weights(weights)
+        if weights != "float32" and not self.has_own_weights:
+            raise ValueError(f"none of the drafters {type(self).__name__} combines "
+                             f"({', '.join(repr(p.name) for p in self.parts())}) has a network of its own")
+        for p in self.parts():
+            if p.has_own_weights:
+                p.with_weights(weights)
+        return self
 
     def loop_stats(self, state) -> dict:
         out: dict = {}

@@ -240,7 +240,7 @@ class FeatureDrafter(heads.HeadDrafter):
 
     def _empty_cache(self, B, capacity):
         c = self.head.config
-        return kvcache.init(1, B, capacity, c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype)
+        return kvcache.init(1, B, capacity, c.num_kv_heads, c.head_dim, self.dtype)
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> FeatureState:
         B, P = prompt_BxP.shape
@@ -259,7 +259,7 @@ class FeatureDrafter(heads.HeadDrafter):
         spec = ctx.spec
         evaluated = spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes
         B = root_B.shape[0]
-        scratch = jnp.zeros((B, evaluated, self.head.config.hidden_size), self.head.fc.weight.dtype)
+        scratch = jnp.zeros((B, evaluated, self.head.config.hidden_size), self.dtype)
 
         def evaluate(st, tokens_BxF, depth, offset, mask_BxFxS, parent_slot_BxF):
             cache, scratch = st

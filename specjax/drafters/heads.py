@@ -70,7 +70,8 @@ def load_params(head: nnx.Module, path: str, dtype, also: tuple[str, ...] = ()) 
 
 class HeadDrafter(Drafter):
     """A drafter made of a trained head (`self.head`, whose config has `vocab_size`, `hidden_size`,
-    `target_layers`) on a target whose embedding and LM head it borrows: feature and block drafters."""
+    `target_layers`) on a target whose embedding and LM head it borrows: feature, block and MTP drafters."""
+    OWN = ("head",)
 
     @staticmethod
     def check_target(cfg, target, kind: str) -> None:
@@ -85,6 +86,12 @@ class HeadDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.head.config.vocab_size
+
+    @property
+    def dtype(self):
+        """The head's activation dtype: its final norm's (the projections may be stored narrower,
+        `with_weights`)."""
+        return self.head.norm.weight.dtype
 
     @property
     def target_layers(self) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from specjax import sampling
 from specjax import tree as tree_lib
 from specjax.checkpoint import load_model
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, register
-from specjax.models import family
+from specjax.models import family, quant
 from specjax.models.transformer import Model
 
 
@@ -29,6 +29,7 @@ class LMDrafter(Drafter):
     gives_q = True
     can_score = True
     stops_early = True
+    OWN = ("model",)
 
     def __init__(self, model: Model, fold=None):
         """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
@@ -41,6 +42,11 @@ class LMDrafter(Drafter):
     @classmethod
     def load(cls, spec: str, target, *, fold=None) -> "LMDrafter":
         return cls(load_model(spec, dtype=target.config.dtype), fold=fold)
+
+    def with_weights(self, weights: str) -> "LMDrafter":
+        """The whole model is its own: projections and embedding (`quant.quantize`), in place."""
+        quant.quantize(self.model, weights)  # refuses a model already stored narrower
+        return self
 
     def with_fold(self, cfg) -> "LMDrafter":
         """The same drafter (same model) with FOLD on (`cfg`) or off (None)."""

@@ -264,7 +264,7 @@ class MTPDrafter(heads.HeadDrafter):
 
     def _empty_cache(self, B, capacity):
         c = self.head.target_config
-        return kvcache.init(self.head.config.num_layers, B, capacity, c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype)
+        return kvcache.init(self.head.config.num_layers, B, capacity, c.num_kv_heads, c.head_dim, self.dtype)
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> MTPState:
         B, P = prompt_BxP.shape

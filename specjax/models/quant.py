@@ -109,6 +109,26 @@ def weight_dtype(model) -> str:
     return str(jnp.dtype(model.embed_tokens[...].dtype)) if hasattr(model, "embed_tokens") else "float32"
 
 
+def quantize_linears(module, weights: str):
+    """Every float32 2-D `weight` of a `Linear` (a module with a `scale` slot) in `module` stored as
+    `weights`, in place; returns `module`. Norms and plain `nnx.Param`s stay as they are. A drafter's
+    own network at a narrower dtype (`load_drafter(..., weights=)`) goes through here."""
+    check_weights(weights)
+    if weights == "float32":
+        return module
+    for _, node in list(nnx.iter_graph(module)):
+        if isinstance(node, nnx.Module) and hasattr(node, "scale") and hasattr(node, "weight") \
+                and node.weight is not None and node.weight[...].ndim == 2 and node.weight[...].dtype == jnp.float32:
+            w, scale = _convert(node.weight[...], weights, axis=1)
+            node.weight, node.scale = nnx.Param(w), None if scale is None else nnx.Param(scale)
+    return module
+
+
+def _convert(w, weights: str, axis: int):
+    """(stored weight, its scale or None) of a float32 `w` at `weights`."""
+    return quantize_int8(w, axis) if weights == "int8" else (w.astype(jnp.bfloat16), None)
+
+
 def quantize(model, weights: str):
     """`model` (float32 as loaded) with its projection weights stored as `weights`, in place; returns
     it. Every 2-D `weight` of a module that has a `scale` slot (the decoder's `Linear`), the
@@ -120,15 +140,7 @@ def quantize(model, weights: str):
     if weight_dtype(model) != "float32":
         raise ValueError(f"quantize: the model's weights are already {weight_dtype(model)}; load it again "
                          "in float32 to convert to another dtype")
-
-    def convert(w, axis):  # (stored weight, its scale or None)
-        return quantize_int8(w, axis) if weights == "int8" else (w.astype(jnp.bfloat16), None)
-
-    for _, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Module) and hasattr(node, "scale") and hasattr(node, "weight") \
-                and node.weight is not None and node.weight[...].ndim == 2:
-            w, scale = convert(node.weight[...], axis=1)
-            node.weight, node.scale = nnx.Param(w), None if scale is None else nnx.Param(scale)
-    e, scale = convert(model.embed_tokens[...], axis=0)
+    quantize_linears(model, weights)
+    e, scale = _convert(model.embed_tokens[...], weights, axis=0)
     model.embed_tokens, model.embed_scale = nnx.Param(e), None if scale is None else nnx.Param(scale)
     return model

@@ -158,7 +158,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
 
     def _empty_cache(self, B, capacity):
         c = self.head.config
-        return kvcache.init(c.num_layers, B, capacity, c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype)
+        return kvcache.init(c.num_layers, B, capacity, c.num_kv_heads, c.head_dim, self.dtype)
 
     def _extend(self, cache: KVCache, features_BxTxF, count_B) -> KVCache:
         B, T = features_BxTxF.shape[:2]

@@ -144,7 +144,7 @@ def _kv(layer: BlockLayer, cfg: BlockConfig, h_BxTxE, cos, sin):
 def token_context(head: BlockHead, target, tokens_BxT):
     """DPara's stand-in context [B, T, E] of tokens whose target features do not exist yet (the
     round's root and draft): norm(P(E[x])) through the target's frozen embedding."""
-    e = transformer.embed(target, tokens_BxT).astype(head.token_proj.weight.dtype)
+    e = transformer.embed(target, tokens_BxT).astype(head.norm.weight.dtype)
     return rms_norm(head.token_norm, linear(head.token_proj, e))
 
 
@@ -159,7 +159,7 @@ def mask_vector(head: BlockHead, target, dtype=None):
     if head.mask_embed is not None:
         return head.mask_embed[...]
     e = transformer.embed(target, jnp.asarray([head.config.mask_token_id]))[0]
-    return e.astype(dtype or head.fc.weight.dtype)
+    return e.astype(dtype or head.norm.weight.dtype)  # the activations' (projections may be int8)
 
 
 def block_input(head: BlockHead, target, anchors_BxA):

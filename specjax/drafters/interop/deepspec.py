@@ -21,6 +21,7 @@ ARCHITECTURES = ("Qwen3DSparkModel",)
 class DeepSpec:
     """Loads a DeepSpec DSpark / DFlash save (`load_drafter`; the CLI's `--drafter PATH`)."""
     name = "deepspec"
+    OWN = ("head",)  # the drafter it loads keeps its network in `head` (`Drafter.with_weights`)
     by_name = False
 
     @staticmethod

@@ -22,6 +22,7 @@ ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 class SafeAILabEagle3:
     """Loads a SafeAILab EAGLE-3 directory (`load_drafter`; the CLI's `--drafter PATH`)."""
     name = "safeailab-eagle3"
+    OWN = ("head",)  # the drafter it loads keeps its network in `head` (`Drafter.with_weights`)
     by_name = False
 
     @staticmethod

@@ -134,6 +134,7 @@ def _replace(cfg, where, **kw):
 class Speculators:
     """Loads a speculators-format directory (`load_drafter`; the CLI's `--drafter PATH`)."""
     name = "speculators"
+    OWN = ("head",)  # the drafter it loads keeps its network in `head` (`Drafter.with_weights`)
     by_name = False
 
     @staticmethod

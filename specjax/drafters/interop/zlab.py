@@ -24,6 +24,7 @@ def _draft_value(raw: dict, name: str, default=None):
 class ZLabDFlash:
     """Loads a z-lab DFlash directory (`load_drafter`; the CLI's `--drafter PATH`)."""
     name = "zlab-dflash"
+    OWN = ("head",)  # the drafter it loads keeps its network in `head` (`Drafter.with_weights`)
     by_name = False
 
     @staticmethod
