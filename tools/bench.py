@@ -145,7 +145,8 @@ def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict
         if isinstance(drafter, BlockDrafter):
             out += block_methods(name, drafter, threshold, (schedule_costs or {}).get(name))
             continue
-        shapes = trees.get(name.partition("@")[0], ("chain=4",))  # mtp@N: the MTP module with N draft tokens
+        # mtp@N: the MTP module with N draft tokens; feature-int8: the feature drafter stored at int8
+        shapes = trees.get(name.partition("@")[0].removesuffix("-int8").removesuffix("-bfloat16"), ("chain=4",))
         for t in shapes:
             out.append(Method(f"{name} {t}", name, t))
         chain = shapes[0]  # the temperature-1 rows draft the first
