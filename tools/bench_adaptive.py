@@ -349,7 +349,10 @@ def plot_adaptive(plt, rows, meta):
     axes[0].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # in the gap between the panels
     axes[1].set_xlabel("margin δ (logits)")
     axes[1].set_ylabel("fraction")
-    axes[1].legend(fontsize=7)
+    if margin:
+        axes[1].legend(fontsize=7)
+    else:
+        axes[1].set_title("no margin rows run (--margins '')", fontsize=8)
     fig.suptitle(f"AdaptiveSpec — {meta['setup']} ({meta['cpu']})")
     fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.12)
     return fig
@@ -361,9 +364,10 @@ def write_adaptive_outputs(rows, meta, out: Path) -> Path:
              f"{meta['batch']}, median of {meta['repeats']} repeats after a warm-up; float32 on {meta['device']}; "
              f"load average {meta['load_avg']:.2f}."]
     first = meta["first_margin_below_93pct_valid"]
-    notes = [f"Lossless greedy output compiles in {meta['lossless_valid_python']:.0%} of completions. "
-             + (f"The valid-Python rate first drops below 93% of lossless at δ = {first:g}."
-                if first is not None else "No δ of the grid drops the valid-Python rate below 93% of lossless."),
+    margins = any(r.get("kind") == "margin" for r in rows)
+    notes = [f"Lossless greedy output compiles in {meta['lossless_valid_python']:.0%} of completions."
+             + ("" if not margins else f" The valid-Python rate first drops below 93% of lossless at δ = {first:g}."
+                if first is not None else " No δ of the grid drops the valid-Python rate below 93% of lossless."),
              "Greedy check: exact / near-tie / mismatch against autoregressive output (lossless rows only). "
              "Mean verify width: target nodes per round, root included (the adaptive rows: and the verified tree's mean depth)."]
     return write_outputs(out, meta, rows, COLUMNS, plot_adaptive,
