@@ -39,7 +39,7 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     cls = REGISTRY[kind]
     if draft_weights is not None:
         quant.check_weights(draft_weights)
-        if draft_weights != "float32" and not cls.OWN:
+        if draft_weights != "float32" and not getattr(cls, "OWN", ()):
             raise ValueError(f"the {kind!r} drafter has no network of its own to store at {draft_weights} (--draft-weights)")
     takes = inspect.signature(cls.load).parameters
     for name, value in given.items():
