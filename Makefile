@@ -30,8 +30,20 @@ models: install
 	$(BIN)/python -m train.corpus --check
 	$(BIN)/python -m train.lm --config configs/code-draft.json --run-dir runs/code-draft --export models/code-draft
 	$(BIN)/python -m train.lm --config configs/code-target.json --run-dir runs/code-target --export models/code-target
+	# the offline target caches the drafters train on (issue 43; resumable): the target's own continuations + corpus text
+	test -f runs/code-target-continuations.npy || $(BIN)/python -m train.continuations --target models/code-target \
+		--out runs/code-target-continuations.npy --code 768 --chat 0 --new-tokens 192 --samples 1
+	$(BIN)/python -m train.target_cache --target models/code-target --layers 1,4,6 --out runs/cache/code-target \
+		--windows 2132 --corpus-tokens 524288 --extra runs/code-target-continuations.npy
+	$(BIN)/python -m train.target_cache --target models/code-target --layers 7 --out runs/cache/code-target-last \
+		--windows 2132 --corpus-tokens 524288 --extra runs/code-target-continuations.npy
 	$(BIN)/python -m train.feature --config configs/code-target-feature.json --run-dir runs/code-target-feature --export models/code-target-feature
 	$(BIN)/python -m train.lm --config configs/code-target-hybrid.json --run-dir runs/code-target-hybrid --export models/code-target-hybrid
+	test -f runs/code-target-hybrid-continuations.npy || $(BIN)/python -m train.continuations --target models/code-target-hybrid \
+		--out runs/code-target-hybrid-continuations.npy --code 768 --chat 0 --new-tokens 192 --samples 1
+	$(BIN)/python -m train.target_cache --target models/code-target-hybrid --layers 1,4,6 --out runs/cache/code-target-hybrid \
+		--windows 1200 --corpus-tokens 262144 --extra runs/code-target-hybrid-continuations.npy \
+		--state-layers 0,1,2,4,5,6 --state-every 8  # 31 GB: the recurrent states ReaDy reads
 	$(BIN)/python -m train.feature --config configs/code-target-hybrid-feature.json --run-dir runs/code-target-hybrid-feature --export models/code-target-hybrid-feature
 	$(BIN)/python -m train.block --config configs/code-target-dspark.json --run-dir runs/code-target-dspark --export models/code-target-dspark
 	$(BIN)/python -m train.block --config configs/code-target-treeflash.json --run-dir runs/code-target-treeflash --export models/code-target-treeflash
