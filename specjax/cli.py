@@ -320,7 +320,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if len(drafters) != 2:
             raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")
         try:
-            drafters = [treegraft.build(drafters, args.treegraft, cheap_tree=args.cheap_tree,
+            drafters = [treegraft.build(drafters, args.treegraft, specs=args.drafter, cheap_tree=args.cheap_tree,
                                         graft_nodes=args.graft_nodes)]
         except (OSError, ValueError) as e:
             raise UsageError(f"--treegraft {args.treegraft}: {e}") from None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
@@ -43,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import engine
+from specjax.checkpoint import weights_sha256
 from specjax import scheduler as sched_lib
 from specjax import tree as tree_lib
 from specjax.drafters.base import Committed, Composite, DraftContext, Drafter, Proposal, SourceScores
@@ -412,13 +414,43 @@ class TreeGraft(Composite):
         return {**super().loop_stats(state), **{f"treegraft_{c}": v for c, v in state.counters.items()}}
 
 
-def build(drafters: Sequence, treegraft: str, **kwargs) -> TreeGraft:
-    """TreeGraft from a `--treegraft` value: 'always', 'never' or a scheduler directory."""
+def check_scheduler_drafters(meta: dict, specs: Sequence[str], where: str) -> None:
+    """Raises ValueError when the scheduler in `where` was distilled for other drafter weights than the
+    directories in `specs` (cheap first, then strong) hold: its values were measured on those drafters'
+    acceptance and cost, so a retrained drafter needs a re-distilled scheduler. The distillation records
+    each drafter's weight digest (`meta["models"]`, one entry per value dataset); a drafter given by name
+    (`ngram`) or recorded without a digest is not checked."""
+    recorded = [m for m in meta.get("models", []) if isinstance(m, dict) and "strong" in m]
+    if not recorded:
+        return
+    mismatch = []
+    for m in recorded:
+        bad = []
+        for role, spec in zip(("cheap", "strong"), specs):
+            want = (m.get(role) or {}).get("sha256")
+            if want is None or not os.path.isfile(os.path.join(str(spec), "model.safetensors")):
+                continue
+            have = weights_sha256(spec)
+            if have != want:
+                bad.append(f"the {role} drafter {spec} holds weights {have[:12]}…, it was distilled for "
+                           f"{(m.get(role) or {}).get('spec')} {want[:12]}…")
+        if not bad:
+            return
+        mismatch = bad
+    raise ValueError(f"{where}: {'; '.join(mismatch)} (re-distil it for these drafters: python -m tools.bench_treegraft "
+                     "--train-schedulers, or python -m train.value_system then python -m train.distill_scheduler)")
+
+
+def build(drafters: Sequence, treegraft: str, *, specs: Sequence[str] | None = None, **kwargs) -> TreeGraft:
+    """TreeGraft from a `--treegraft` value: 'always', 'never' or a scheduler directory. `specs`: the
+    drafters' command-line specs (directories); a scheduler distilled for other weights is refused."""
     if len(drafters) != 2:
         raise ValueError(f"TreeGraft combines exactly two drafters (cheap first, then strong), got {len(drafters)}")
     if treegraft in ("always", "never"):
         return TreeGraft(drafters[0], drafters[1], policy=treegraft, **kwargs)
-    sched, calibration, _ = sched_lib.load_scheduler(treegraft)
+    sched, calibration, meta = sched_lib.load_scheduler(treegraft)
+    if specs is not None:
+        check_scheduler_drafters(meta, specs, treegraft)
     return TreeGraft(drafters[0], drafters[1], scheduler=sched, policy="scheduler", calibration=calibration, **kwargs)
 
 

@@ -470,6 +470,19 @@ def test_value_system_and_distillation_end_to_end(target, strong, distilled):
     # the distilled scheduler drives the engine (greedy output unchanged)
     from specjax import treegraft
     tg = treegraft.build([NgramDrafter(), strong], str(root / "sched"))
+    # a scheduler distilled for other weights of the strong drafter is refused (a drafter retrained since)
+    from safetensors.numpy import save_file
+    from specjax.checkpoint import weights_sha256
+    strong_dir = root / "strong"
+    strong_dir.mkdir(exist_ok=True)
+    save_file({"w": np.zeros(3, np.float32)}, str(strong_dir / "model.safetensors"))
+    sched_lib.save_scheduler(sched, str(root / "sched-digest"), meta={"models": [
+        {"cheap": {"spec": "ngram", "sha256": None}, "strong": {"spec": "models/x", "sha256": "0" * 64}}]})
+    with pytest.raises(ValueError, match="the strong drafter .* was distilled for models/x 000000000000"):
+        treegraft.build([NgramDrafter(), strong], str(root / "sched-digest"), specs=["ngram", str(strong_dir)])
+    sched_lib.save_scheduler(sched, str(root / "sched-digest"), meta={"models": [
+        {"cheap": {"spec": "ngram", "sha256": None}, "strong": {"spec": "x", "sha256": weights_sha256(strong_dir)}}]})
+    treegraft.build([NgramDrafter(), strong], str(root / "sched-digest"), specs=["ngram", str(strong_dir)])
     p = _prompts(1, seed=1, repetitive=True)
     ref = specjax.generate(target, p, max_new_tokens=NEW, eos_token_id=())
     got = specjax.generate(target, p, max_new_tokens=NEW, eos_token_id=(), drafters=[tg], tree=TREE)

@@ -46,7 +46,7 @@ import specjax
 from specjax import scheduler as sched_lib
 from specjax.drafters import DraftContext, LMDrafter, NgramDrafter
 from specjax.sampling import SamplingParams
-from specjax.treegraft import RoundStepper, TreeGraft
+from specjax.treegraft import RoundStepper, TreeGraft, check_scheduler_drafters
 from tools.harness import (REPO, Column, generation_row, output_path, run_meta, smoke_models, time_generation,
                            write_outputs)
 from train.lm import repo_relative
@@ -91,7 +91,8 @@ def zoo_setup(args):
     drafters = {"ngram": NgramDrafter()}
     for name, path in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
         if os.path.isdir(path):
-            drafters[name] = load_drafter(path, target, target_path=args.target)
+            drafters[name] = load_drafter(path, target, target_path=args.target,
+                                          draft_vocab=args.draft_vocab if name == "feature" else None)
     eval_sets = {}
     for s in args.sets.split(","):
         if s == "long":
@@ -293,6 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="the lm drafter")
     ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="the feature drafter")
     ap.add_argument("--dspark", default=str(REPO / "models/code-target-dspark"), help="the block drafter (DSpark)")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="the feature drafter's reduced draft vocabulary (the N most frequent tokens it ships)")
     ap.add_argument("--pairs", default=",".join(PAIRS), help="cheap+strong pairs (default: %(default)s)")
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--prompts-per-set", type=int, default=8)
@@ -336,7 +339,17 @@ def main(argv=None) -> int:
             continue
         cheap, strong = drafters[cheap_name], drafters[strong_name]
         sched_dir = sched_root / pair
-        if not (sched_dir / sched_lib.CONFIG_FILE).is_file() and args.train_schedulers:
+        paths = {"lm": args.draft, "feature": args.feature, "dspark": args.dspark, "ngram": "ngram"}
+        stale = None  # a scheduler distilled for other weights of these drafters (a drafter retrained since)
+        if not args.smoke and (sched_dir / sched_lib.CONFIG_FILE).is_file():
+            try:
+                check_scheduler_drafters(sched_lib.load_scheduler(str(sched_dir))[2],
+                                         [paths[cheap_name], paths[strong_name]], str(sched_dir))
+            except ValueError as e:
+                stale = str(e)
+        if stale and not args.train_schedulers:
+            ap.error(f"{stale}\n(add --train-schedulers to re-distil it here)")
+        if (stale or not (sched_dir / sched_lib.CONFIG_FILE).is_file()) and args.train_schedulers:
             print(f"[bench_treegraft] {pair}: building the scheduler ...", file=sys.stderr, flush=True)
             if train_prompts is None:
                 from train.value_system import training_prompts
@@ -349,10 +362,10 @@ def main(argv=None) -> int:
             else:
                 from train.value_system import sha256_of
                 values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
-                paths = {"lm": args.draft, "feature": args.feature, "dspark": args.dspark, "ngram": "ngram"}
                 prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
                                    **{role: {"spec": repo_relative(paths[n]) if n != "ngram" else n, "kind": n,
-                                             "sha256": sha256_of(paths[n])}
+                                             "sha256": sha256_of(paths[n]),
+                                             **({"draft_vocab": args.draft_vocab} if n == "feature" else {})}
                                       for role, n in (("cheap", cheap_name), ("strong", strong_name))}},
                         "prompts": {"split": "train", "sets": list(SETS), "per_set": args.value_prompts_per_set,
                                     "context_tokens": args.context, "long_tokens": args.long_tokens}}

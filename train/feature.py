@@ -157,7 +157,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids, drafter_run.target_weights(cfg))
 
     def save(params, d):
-        # bf16 like the other drafters' exports (the shipped code-target(-hybrid)-feature predate this: float32)
+        # bf16 like the other drafters' exports
         F.save_feature_head(nnx.merge(head_def, params), str(d), jnp.bfloat16)
         if ranking is not None:
             vocab_lib.save_ranking(str(d), ranking)

@@ -132,7 +132,10 @@ def feature_card(model_dir: Path) -> tuple[str, dict]:
     name = cfg["name"]
     import safetensors.numpy
 
-    n_params = sum(v.size for v in safetensors.numpy.load_file(str(model_dir / "model.safetensors")).values())
+    tensors = safetensors.numpy.load_file(str(model_dir / "model.safetensors"))
+    n_params = sum(v.size for v in tensors.values())
+    dtypes = "/".join(sorted({str(v.dtype) for v in tensors.values()}))
+    size = (model_dir / "model.safetensors").stat().st_size
     agree = " / ".join(f"{a:.3f}" for a in final["val_agree"])
     steps_loss = " / ".join(f"{x:.3f}" for x in final["val_step_loss"])
     tokens = cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
@@ -143,7 +146,7 @@ def feature_card(model_dir: Path) -> tuple[str, dict]:
 EAGLE-3-style feature drafter for `{cfg['target']}` (`specjax/drafters/feature.py`): fuses the target's
 hidden states after layers {dcfg.get('target_layers')} into one vector, runs one decoder layer
 (SwiGLU {dcfg.get('intermediate_size')}), and shares the target's embedding and LM head (not stored
-here). {n_params / 1e6:.2f}M parameters of its own, `drafter_config.json` + `model.safetensors`;
+here). {n_params / 1e6:.2f}M parameters of its own, stored as {dtypes} (`model.safetensors`, {size / 1e6:.1f} MB) + `drafter_config.json`;
 `specjax.drafters.load_drafter` reads it for that target only (vocabulary and width checked; given
 `target_path`, the target weights too, against the digest in `train_info.json`).
 
