@@ -464,6 +464,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     with jax.named_scope("draft"):
         prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
     tree = sharding.constrain(prop.tree, BATCH)  # tree buffers: rows over `data` (no-op without a mesh)
+    tree = tree_lib.well_formed(tree, root_B, D)  # the engine verifies a well-formed tree whatever was proposed
     widths = check_verify_widths(drafter.verify_widths(spec), spec)
     with jax.named_scope("verify_forward"):
         if len(widths) == 1:

@@ -143,6 +143,8 @@ def check_layout(layout: str, names, where: str) -> None:
 def save_scheduler(sched: Scheduler, path: str, *, calibration: float = 0.0, meta: dict | None = None) -> None:
     """`scheduler_config.json` (layout, names, architecture, threshold, calibration offset, meta) +
     `model.safetensors` (the MLP and the input normalisation)."""
+    if not np.isfinite(calibration):
+        raise ValueError(f"calibration must be finite, got {calibration}")
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(sched, (nnx.Param, Stat)))
     tensors = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}

@@ -66,6 +66,34 @@ def ancestor_mask(tree: TreeBuffers, max_depth: int) -> Bool[Array, "B N N"]:
     return mask & tree.valid[:, :, None] & tree.valid[:, None, :]
 
 
+def well_formed(tree: TreeBuffers, root_B, max_depth: int) -> TreeBuffers:
+    """The tree the engine verifies, whatever a drafter proposed: node 0 is the root (the last
+    emitted token: valid, no parent, depth 0); any other node stays valid only where the drafter
+    marked it valid, its parent precedes it and is valid, and it lies at most `max_depth` below the
+    root; depths are recomputed from the parents. A well-formed proposal comes out unchanged, so
+    losslessness does not rest on a drafter's bookkeeping (a root marked invalid, for one, drops the
+    root's own key from its attention row and the round emits a wrong bonus token)."""
+    B, N = tree.parents.shape
+    idx = jnp.arange(N, dtype=jnp.int32)[None]
+    root = idx == 0
+    par = tree.parents.astype(jnp.int32)
+    linked = root | (tree.valid & (par >= 0) & (par < idx))
+    safe = jnp.clip(par, 0, N - 1)
+
+    def step(_, carry):  # after k steps: right for every node at most k below the root
+        valid, depth = carry
+        return (root | (linked & jnp.take_along_axis(valid, safe, axis=1)),
+                jnp.where(root, 0, jnp.take_along_axis(depth, safe, axis=1) + 1))
+
+    start = jnp.broadcast_to(jnp.where(root, 0, max_depth + 1), (B, N)).astype(jnp.int32)
+    valid, depth = jax.lax.fori_loop(0, max_depth, step, (linked, start))
+    valid = valid & (depth <= max_depth)
+    return dataclasses.replace(
+        tree, tokens=jnp.where(root, root_B[:, None].astype(tree.tokens.dtype), tree.tokens),
+        parents=jnp.where(root, -1, tree.parents), valid=valid,
+        depth=jnp.where(valid, depth, jnp.clip(tree.depth, 0, max_depth)).astype(tree.depth.dtype))
+
+
 def positions(tree: TreeBuffers, cache_length_B) -> Int[Array, "B N"]:
     return cache_length_B[:, None] + tree.depth
 

@@ -135,7 +135,7 @@ def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_
     root = jnp.arange(M)[None] == 0
     use = use_B[:, None]
     strong_cum = path_sum(jnp.where(root, 0.0, strong_local.astype(jnp.float32)), cheap.parents, D)
-    rank = jnp.where(use, strong_cum, cheap.score + calibration * cheap.depth)
+    rank = jnp.where(use, strong_cum, cheap.score + jnp.where(cheap.depth > 0, calibration * cheap.depth, 0.0))
     rank = jnp.where(valid, path_min(rank, cheap.parents, D), -jnp.inf)
 
     if G > 0:
@@ -235,6 +235,9 @@ class TreeGraft(Composite):
             raise ValueError(f"graft_nodes must be a non-negative integer, got {graft_nodes}")
         if not 0.0 <= tau_decay < 1.0:
             raise ValueError(f"tau_decay must be in [0, 1), got {tau_decay}")
+        if not np.isfinite(calibration):
+            raise ValueError(f"calibration must be a finite per-token log-prob offset, got {calibration} (a scheduler "
+                             "fitted before this check with a reduced-vocabulary drafter: re-distil it)")
         scheduler = scheduler if scheduler is not None else sched_lib.Scheduler()
         sched_lib.check_layout(scheduler.config.feature_layout, scheduler.config.feature_names, "TreeGraft scheduler")
         self.cheap = cheap
@@ -380,10 +383,12 @@ class TreeGraft(Composite):
             jnp.any(want), lambda: self._strong_pass(state.strong, ctree, cspec.max_depth, k), skip)
         tree, scores, n_grafted = graft_tree(ctree, strong_local, top_tok, top_lq, want, num_nodes=N, max_depth=D,
                                              graft_nodes=G, calibration=self.calibration.get_value())
-        # calibration statistic: strong minus cheap local log q over the cheap tree's scored nodes
+        # calibration statistic: strong minus cheap local log q over the cheap tree's scored nodes (finite
+        # ones: a strong drafter with a reduced draft vocabulary gives -inf to the tokens outside it)
         par = jnp.maximum(ctree.parents, 0)
         cheap_local = ctree.score - jnp.take_along_axis(ctree.score, par, axis=1)
-        scored = ctree.valid & (ctree.parents >= 0) & want[:, None]
+        scored = (ctree.valid & (ctree.parents >= 0) & want[:, None] & jnp.isfinite(strong_local)
+                  & jnp.isfinite(cheap_local))
         diff = jnp.where(scored, strong_local - cheap_local, 0.0)
         info = RoundInfo(tokens=tree.tokens, parents=tree.parents, source=tree.source, valid=tree.valid,
                          invoked=want, features=features, n_grafted=n_grafted,

@@ -71,3 +71,38 @@ def test_cli_and_python_names_agree():
         for name in inspect.signature(fn).parameters:
             want = differ.get(name, name)
             assert want is None or want in dests, f"{fn.__name__}({name}=) has no --{want.replace('_', '-')} flag"
+
+
+def test_engine_verifies_a_well_formed_tree_whatever_is_proposed():
+    """Losslessness does not rest on a drafter's tree bookkeeping: a proposal with its root marked
+    invalid, another token at the root, an orphan and a wrong depth still gives the AR output
+    (before `tree.well_formed`, an invalid root dropped its own key and emitted a wrong bonus token)."""
+    from specjax import tree as tree_lib
+    from specjax.drafters import NgramDrafter
+
+    class Careless(NgramDrafter):
+        def propose(self, state, root_B, ctx):
+            p = super().propose(state, root_B, ctx)
+            t = p.tree
+            bad = dataclasses.replace(t, valid=t.valid.at[:, 0].set(False), tokens=t.tokens.at[:, 0].set(0),
+                                      depth=t.depth.at[:, 1].set(3))
+            return dataclasses.replace(p, tree=bad)
+
+    target = tiny_target(64, seed=0)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1]]
+    ref = specjax.generate(target, prompts, max_new_tokens=12).sequences()
+    out = specjax.generate(target, prompts, max_new_tokens=12, drafters=[Careless()], tree="chain=3")
+    assert out.sequences() == ref
+    # the guard itself: a well-formed tree comes out unchanged; the faults are mended or dropped
+    t = tree_lib.TreeBuffers(tokens=jnp.array([[9, 4, 5, 6, 7]]), parents=jnp.array([[-1, 0, 1, 0, 3]]),
+                             depth=jnp.array([[0, 1, 2, 1, 2]]), valid=jnp.ones((1, 5), bool),
+                             score=jnp.zeros((1, 5)), source=jnp.zeros((1, 5), jnp.int8))
+    same = tree_lib.well_formed(t, jnp.array([9]), 2)
+    assert all((getattr(same, f) == getattr(t, f)).all() for f in ("tokens", "parents", "depth", "valid"))
+    bad = dataclasses.replace(t, tokens=t.tokens.at[0, 0].set(1), valid=t.valid.at[0, 0].set(False).at[0, 3].set(False),
+                              depth=t.depth.at[0, 2].set(4), parents=t.parents.at[0, 1].set(2))
+    fixed = tree_lib.well_formed(bad, jnp.array([9]), 2)
+    # root restored; node 1 points forward (dropped), so its child 2 is an orphan (dropped); 4's parent 3 is invalid
+    assert fixed.tokens[0, 0] == 9 and fixed.valid[0].tolist() == [True, False, False, False, False]
+    assert tree_lib.well_formed(dataclasses.replace(t, depth=t.depth.at[0, 2].set(4)), jnp.array([9]), 2).depth[0, 2] == 2
+    assert not tree_lib.well_formed(t, jnp.array([9]), 1).valid[0, 2]  # deeper than the verify depth

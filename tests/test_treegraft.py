@@ -409,6 +409,10 @@ def test_bad_input_is_refused_before_tracing(target, strong, cheap_lm, tmp_path)
         gen(TreeGraft(cheap_lm, strong), temperature=1.0, verify="sampled_noreplace")
     with pytest.raises(ValueError, match="vocabulary"):  # the engine's own check still applies
         specjax.generate(target, p, drafters=[TreeGraft(other, LMDrafter(other.model))], tree=TREE)
+    with pytest.raises(ValueError, match="calibration must be a finite"):
+        TreeGraft(NgramDrafter(), strong, calibration=float("-inf"))
+    with pytest.raises(ValueError, match="calibration must be finite"):
+        sched_lib.save_scheduler(toy_scheduler(), str(tmp_path / "nan"), calibration=float("nan"))
     # a scheduler checkpoint for another feature layout
     d = tmp_path / "sched"
     sched_lib.save_scheduler(toy_scheduler(), str(d))
