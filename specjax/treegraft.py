@@ -90,16 +90,6 @@ class GraftState:
 
 # ----------------------------------------------------------------------------- tree functions
 
-def sanitize(tree: TreeBuffers, max_depth: int) -> TreeBuffers:
-    """The root always valid; any other node only where its parent is valid and depth <= max_depth."""
-    N = tree.num_nodes
-    root = jnp.arange(N)[None] == 0
-    par = jnp.maximum(tree.parents, 0)
-    valid = root | (tree.valid & (tree.depth <= max_depth) & (tree.parents >= 0))  # the root always is
-    valid = jax.lax.fori_loop(0, max_depth, lambda _, v: v & (root | jnp.take_along_axis(v, par, axis=1)), valid)
-    return dataclasses.replace(tree, valid=valid)
-
-
 def path_sum(local_BxN, parents_BxN, max_depth: int):
     """Cumulative sums from the root: out[i] = local[i] + out[parent(i)] (root: its own local)."""
     par = jnp.maximum(parents_BxN, 0)
@@ -130,7 +120,7 @@ def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_
     B, M = cheap.tokens.shape
     N, D, G = num_nodes, max_depth, graft_nodes
     k = top_tok.shape[-1]
-    cheap = sanitize(cheap, D)
+    cheap = tree_lib.well_formed(cheap, cheap.tokens[:, 0], D)
     valid = cheap.valid
     root = jnp.arange(M)[None] == 0
     use = use_B[:, None]
@@ -373,7 +363,7 @@ class TreeGraft(Composite):
         B = root_B.shape[0]
         cp = self.cheap.propose(state.cheap, root_B, DraftContext(cspec, "topk", ctx.params, ctx.key,
                                                                    active=ctx.active))
-        ctree = sanitize(cp.tree, D)
+        ctree = tree_lib.well_formed(cp.tree, root_B, D)
         features = sched_lib.tree_features(ctree, N, state.tau_ema, state.last_accepted)
         code = self.policy_code.get_value()
         want = jnp.where(code == POLICIES.index("scheduler"), self.scheduler.decide(features),
