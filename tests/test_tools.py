@@ -35,6 +35,17 @@ def test_bench_smoke_writes_table_plot_and_checks_greedy(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0 and "| lm chain=4 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_methods_outside_the_default_list():
+    """--methods 'DRAFTER TREE' builds that drafter on that tree (equal-shape comparisons); other
+    unknown names stay unknown (the CLI lists what exists)."""
+    from tools import bench
+    drafters = {"lm": object(), "mtp@2048": object()}
+    got = bench.extra_methods(["lm chain=3", "mtp@2048 depth=4,topk=2,nodes=8", "lm chain=x", "dspark chain=8",
+                               "lm"], drafters)
+    assert [(m.name, m.drafter, m.tree, m.temperature) for m in got] == [
+        ("lm chain=3", "lm", "chain=3", 0.0), ("mtp@2048 depth=4,topk=2,nodes=8", "mtp@2048", "depth=4,topk=2,nodes=8", 0.0)]
+
+
 def test_bench_round_smoke(tmp_path):
     from tools import bench_round
     out = tmp_path / "round"

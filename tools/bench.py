@@ -168,6 +168,23 @@ def split_methods(text: str) -> list[str]:
     return out
 
 
+def extra_methods(names, drafters: dict) -> list[Method]:
+    """`--methods` names outside the default list that read `DRAFTER TREE` (a loaded drafter and a
+    tree spec that `specjax.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
+    that drafter greedy on that tree, so any two drafters can be compared at the same shape."""
+    out = []
+    for name in names:
+        drafter, _, tree = name.partition(" ")
+        if drafter not in drafters or not tree:
+            continue
+        try:
+            tree_lib.parse_tree_spec(tree)
+        except ValueError:
+            continue
+        out.append(Method(name, drafter, tree))
+    return out
+
+
 def method_drafter(target, drafters, m: Method):
     """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
     d = drafters[m.drafter]
@@ -528,7 +545,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all; a dynamic tree's commas stay in its name)")
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all; a dynamic tree's commas stay in its name); "
+                    "'DRAFTER TREE' with any loaded drafter and tree spec also works, e.g. 'lm chain=3'")
     ap.add_argument("--hf", action="store_true", help="also transformers' assisted generation (batch 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
@@ -598,6 +616,7 @@ def main(argv=None):
                 methods += tree_methods(name, d, budgets, taps)
     if args.methods:
         keep = set(split_methods(args.methods))
+        methods += extra_methods(sorted(keep - {m.name for m in methods}), drafters)
         unknown = sorted(keep - {m.name for m in methods})
         if unknown:
             ap.error(f"--methods: no method named {unknown}; with these drafters and options: "
