@@ -241,6 +241,13 @@ def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(t
     card = model_card.ablation_section(tmp_path / "m", bench_dir=tmp_path)  # the card of the model it names
     assert "| b | init_from_target=false | 10 | 0.300 / 0.100 / 0.050 / 0.010 | 0.300 / 0.050 / 0.000 | 1.300 |" in card
     assert model_card.ablation_section(tmp_path / "other", bench_dir=tmp_path) == ""
+    assert "earlier training" not in card  # the model has no train_info: nothing to compare
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "train_info.json").write_text(json.dumps({"run_dir": str(tmp_path / "a")}))
+    assert "earlier training" not in model_card.ablation_section(tmp_path / "m", bench_dir=tmp_path)
+    (tmp_path / "m" / "train_info.json").write_text(json.dumps({"run_dir": "runs/m-v3"}))  # retrained since
+    assert "an earlier training of this drafter, not this export's (`runs/m-v3`)" in \
+        model_card.ablation_section(tmp_path / "m", bench_dir=tmp_path)
     (tmp_path / "b" / "run.json").write_text(json.dumps({**base, "eval_tokens": 256}))
     with pytest.raises(SystemExit, match="validates differently"):
         ablation_table.main(["--run", runs[0], "--run", runs[1], "--steps", "10", "--title", "T",

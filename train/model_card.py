@@ -279,7 +279,8 @@ def _cache_commands(cfg: dict, m: dict) -> str:
         s = json.loads(summary.read_text())
         cmds.append(f"python -m train.continuations --target {cfg['target']} --out {mix['extra']} --code {s['code_prompts']} "
                     f"--chat {s['chat_prompts']} --new-tokens {s['new_tokens']}"
-                    + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else ""))
+                    + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else "")
+                    + (f" --weights {s['weights']}" if s.get("weights", "float32") != "float32" else ""))
     cache = (f"python -m train.target_cache --target {cfg['target']} --layers {','.join(map(str, m['layers']))} "
              f"--out {cfg['cache']} --windows {m['windows']}")
     if mix.get("extra"):
@@ -624,6 +625,23 @@ verifying the whole tree: {int(sum(seen))} observed nodes, acceptance by depth {
 """
 
 
+def _earlier_runs_note(model_dir: Path, command: str) -> str:
+    """A line under an ablation whose runs (`--run NAME=DIR`) do not include this export's run: the
+    ablation was measured on an earlier training of the drafter (the recipe's evidence, not these weights')."""
+    import shlex
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return ""
+    runs = [w.partition("=")[2] for a, w in zip(words, words[1:]) if a == "--run"]
+    info = model_dir / "train_info.json"
+    mine = json.loads(info.read_text()).get("run_dir") if info.is_file() else None
+    if not runs or mine is None or mine in runs:
+        return ""
+    return (f"\nThese runs ({', '.join(f'`{r}`' for r in runs)}) are an earlier training of this drafter, not this "
+            f"export's (`{mine}`): the comparison is the recipe's evidence, not these weights'.\n")
+
+
 def ablation_section(model_dir: Path, bench_dir: Path | None = None) -> str:
     """The card's recipe ablations: every `bench/ablation_*.json` whose meta names this model
     (`tools.ablation_table --model`), as a table of its rows at equal steps, or "" when none does."""
@@ -640,7 +658,8 @@ def ablation_section(model_dir: Path, bench_dir: Path | None = None) -> str:
         title = m.get("title") or f.stem.replace("_", " ")
         parts.append(f"{title} ([bench/{f.stem}.md](../../bench/{f.stem}.md); {m.get('cpu', 'CPU not recorded')}, "
                      f"{m.get('date', '')[:10]}):\n\n| variant | what | steps | agreement with the target | "
-                     f"acceptance @0/1/2 | τ estimate |\n|---|---|---:|---|---|---:|\n{rows}\n")
+                     f"acceptance @0/1/2 | τ estimate |\n|---|---|---:|---|---|---:|\n{rows}\n"
+                     + _earlier_runs_note(model_dir, m.get("command", "")))
     if not parts:
         return ""
     return ("\n## Recipe ablations (equal steps)\n\nValidation of each variant at the same step "
