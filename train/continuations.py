@@ -45,8 +45,8 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     """The greedy continuation of every prompt, and `samples` more drawn at `temperature` (our own
     batched `generate`, seeds 1..samples); identical documents kept once. `weights`: the target's
     weight dtype (`load_model(weights=...)`): the outputs of the target as it is deployed, though with
-    the ordinary attention, not the batch-invariant one (2x faster batched on this CPU: 0.19 vs 0.38 s
-    a step at batch 16, int8 SmolLM2): a near-tie may break the other way, which training data allows."""
+    the ordinary attention, not the batch-invariant one (faster batched): a near-tie may break the other
+    way, which training data allows. The summary records the seconds taken."""
     import specjax
     from specjax.checkpoint import load_tokenizer
     from train import prompts
@@ -100,7 +100,7 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=0, help="T=--temperature samples per prompt besides the greedy one")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
-                    help="the target's weight dtype (as deployed; batch-invariant attention below float32)")
+                    help="the target's weight dtype (as deployed; the ordinary attention, not the batch-invariant one)")
     args = ap.parse_args(argv)
     print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch, args.samples,
                            args.temperature, args.weights), indent=2))
