@@ -39,11 +39,18 @@ def test_bench_methods_outside_the_default_list():
     """--methods 'DRAFTER TREE' builds that drafter on that tree (equal-shape comparisons); other
     unknown names stay unknown (the CLI lists what exists)."""
     from tools import bench
-    drafters = {"lm": object(), "mtp@2048": object()}
+    drafters = {"lm": object(), "mtp@2048": object(), "ngram": object()}
     got = bench.extra_methods(["lm chain=3", "mtp@2048 depth=4,topk=2,nodes=8", "lm chain=x", "dspark chain=8",
-                               "lm"], drafters)
+                               "lm", "ngram+lm depth=4,topk=2,nodes=8", "ngram+dspark chain=4", "ngram+ chain=4"],
+                              drafters)
     assert [(m.name, m.drafter, m.tree, m.temperature) for m in got] == [
-        ("lm chain=3", "lm", "chain=3", 0.0), ("mtp@2048 depth=4,topk=2,nodes=8", "mtp@2048", "depth=4,topk=2,nodes=8", 0.0)]
+        ("lm chain=3", "lm", "chain=3", 0.0), ("mtp@2048 depth=4,topk=2,nodes=8", "mtp@2048", "depth=4,topk=2,nodes=8", 0.0),
+        ("ngram+lm depth=4,topk=2,nodes=8", "ngram+lm", "depth=4,topk=2,nodes=8", 0.0)]
+    from specjax.treegraft import TreeGraft
+    target, drafters, _ = bench.smoke_setup()  # 'CHEAP+STRONG': TreeGraft of the two, the strong one every round
+    tg = bench.method_drafter(target, drafters, bench.extra_methods(["ngram+dspark chain=4"], drafters)[0])
+    assert isinstance(tg, TreeGraft) and tg.policy == "always"
+    assert (tg.cheap, tg.strong) == (drafters["ngram"], drafters["dspark"])
 
 
 def test_bench_round_smoke(tmp_path):

@@ -171,11 +171,13 @@ def split_methods(text: str) -> list[str]:
 def extra_methods(names, drafters: dict) -> list[Method]:
     """`--methods` names outside the default list that read `DRAFTER TREE` (a loaded drafter and a
     tree spec that `specjax.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
-    that drafter greedy on that tree, so any two drafters can be compared at the same shape."""
+    that drafter greedy on that tree, so any two drafters can be compared at the same shape.
+    `CHEAP+STRONG TREE` (e.g. 'ngram+dspark-int8 depth=6,topk=2,nodes=8'): TreeGraft of the two
+    loaded drafters, the strong one invoked every round (policy "always"), TREE the verify budget."""
     out = []
     for name in names:
         drafter, _, tree = name.partition(" ")
-        if drafter not in drafters or not tree:
+        if not tree or not all(d in drafters for d in _graft_pair(drafter) or (drafter,)):
             continue
         try:
             tree_lib.parse_tree_spec(tree)
@@ -185,8 +187,19 @@ def extra_methods(names, drafters: dict) -> list[Method]:
     return out
 
 
+def _graft_pair(name: str) -> tuple[str, str] | None:
+    """'CHEAP+STRONG' -> (CHEAP, STRONG); None for a single drafter's name."""
+    cheap, plus, strong = name.partition("+")
+    return (cheap, strong) if plus and cheap and strong else None
+
+
 def method_drafter(target, drafters, m: Method):
-    """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut."""
+    """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut;
+    for 'CHEAP+STRONG', the TreeGraft of the two (policy "always": no scheduler is distilled for them)."""
+    pair = _graft_pair(m.drafter)
+    if pair is not None:
+        from specjax import treegraft
+        return treegraft.build([drafters[pair[0]], drafters[pair[1]]], "always")
     d = drafters[m.drafter]
     if m.confidence != "off" or m.costs is not None or m.zero_state or m.boundaries is not None:
         if not isinstance(d, BlockDrafter):
