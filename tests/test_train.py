@@ -255,6 +255,11 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     resumed = feature.train(cfg, zoo["base"] / "feat-resume", progress=False)
     for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # a session per stretch of steps; the finished run run again (a re-export) adds none
+    timing = zoo["base"] / "feat-resume" / "timing.jsonl"
+    assert [json.loads(l)["steps"] for l in timing.read_text().splitlines()] == [[0, 5], [5, cfg.steps]]
+    feature.train(cfg, zoo["base"] / "feat-resume", progress=False)
+    assert len(timing.read_text().splitlines()) == 2
     # refusals: another config in the same run dir; overwriting an export
     with pytest.raises(lm.RunRefused, match="different run"):
         feature.train(_feature_cfg(zoo, full_run, ttt_steps=2), zoo["base"] / "feat-resume", progress=False)
