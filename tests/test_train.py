@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer
 
-from specjax.checkpoint import load_model
+from specjax.checkpoint import load_model, load_tokenizer
 from specjax.models.transformer import init_cache, prefill
 from train import corpus, data, eval_ppl, lm
 from helpers import stdlib_sample
@@ -796,3 +796,32 @@ def test_unrolled_loss_from_a_sparse_top_k_equals_the_dense_one():
         z[..., :30], drafter_run.draft_vocab_topk(jnp.asarray(ids), jnp.asarray(logp), vocab_ids, V), 0.8)
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_a), np.asarray(ref_a))
+
+
+def test_continuations_questions_the_target_writes_itself(zoo, full_run, tmp_path):
+    """train.continuations --questions (Magpie): the template's text before a user message's content
+    is sampled at T=1 to the end of the turn, each kept turn is answered as a chat prompt; a turn that
+    never ends is dropped; a template without a user turn to end is refused."""
+    from train import continuations as C
+    chat_dir = tmp_path / "chat-target"
+    shutil.copytree(full_run["export"], chat_dir)
+    cfg_file = chat_dir / "tokenizer_config.json"
+    tcfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    tcfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg_file.write_text(json.dumps(tcfg))
+    assert C.user_turn_prefix(str(chat_dir)) == ("<user>", "\n")
+    assert C.cut_turn([5, 6, 7, 9, 1], 9) == [5, 6, 7] and C.cut_turn([5, 6, 7], 9) is None
+    assert C.cut_turn([5, 9], 9) is None  # too short to be a question
+    summary = C.build(str(chat_dir), tmp_path / "q.npy", 0, 0, new_tokens=8, batch=4, n_questions=3)
+    q = summary["questions"]
+    assert 1 <= q["asked"] <= 3 and q["sampled"] >= 4 and len(set(q["first"])) == q["asked"]
+    assert summary["generated_tokens"]["questions"] > 0 and summary["chat_prompts"] == 0
+    tok = load_tokenizer(str(chat_dir))
+    stream = np.load(tmp_path / "q.npy").tolist()
+    first = tok.encode(f"<user>{q['first'][0]}\n<assistant>").ids
+    assert any(stream[i:i + len(first)] == first for i in range(len(stream)))  # asked as a chat prompt
+    tcfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    cfg_file.write_text(json.dumps(tcfg))
+    with pytest.raises(ValueError, match="closes a user turn with nothing"):
+        C.user_turn_prefix(str(chat_dir))

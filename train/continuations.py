@@ -6,7 +6,12 @@ split and `train/chat_prompts.jsonl`, so nothing here overlaps them):
 - code: `train.prompts.prompt_set` cuts (after a `def` line / at a docstring's quotes), greedy
   continuation;
 - chat: one whole train-split function under an instruction (explain it, document it, test it,
-  simplify it), rendered with the target's chat template (`specjax.chat`), greedy reply.
+  simplify it), rendered with the target's chat template (`specjax.chat`), greedy reply;
+- questions (`--questions N`): user turns the target writes itself (Magpie, Xu et al. 2024): the
+  chat template's text up to a user message's content, sampled at T=1 until the end of the turn
+  (a turn cut by the token limit, or empty, is dropped; duplicates kept once), then answered
+  greedily as a chat prompt. The chats the target was tuned on, as it remembers them: general
+  questions, like the bench's chat prompts, where the two kinds above are all about code.
 
 The output is one int32 token stream, `<|endoftext|> prompt continuation <|endoftext|> ...` (the
 corpus stream's layout), for a drafter config's `extra_train`, plus a JSON summary beside it.
@@ -40,8 +45,58 @@ def chat_prompt_texts(target_dir: str, tok, n: int) -> list[str]:
             for i, f in enumerate(funcs)]
 
 
+MARK = "\u2063specjax-user-turn\u2063"  # a placeholder no template or tokenizer touches
+
+
+def user_turn_prefix(target_dir: str) -> tuple[str, str]:
+    """(the chat template's text before a user message's content, the text right after it): what
+    Magpie feeds the model to have it write a user turn, and where that turn ends."""
+    from specjax.chat import render_chat
+    text = render_chat(target_dir, [{"role": "user", "content": MARK}], add_generation_prompt=False)
+    if text.count(MARK) != 1:
+        raise ValueError(f"{target_dir}: the chat template does not render a user message's content once")
+    before, after = text.split(MARK)
+    if not after:
+        raise ValueError(f"{target_dir}: the chat template closes a user turn with nothing: no end to sample to")
+    return before, after
+
+
+def cut_turn(ids, end_id: int, min_tokens: int = 3) -> list[int] | None:
+    """A sampled user turn's ids up to (without) `end_id`, or None where it never ended (cut by the
+    token limit) or is shorter than `min_tokens`."""
+    ids = list(ids)
+    if end_id not in ids:
+        return None
+    ids = ids[:ids.index(end_id)]
+    return ids if len(ids) >= min_tokens else None
+
+
+def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens: int = 96,
+                     temperature: float = 1.0) -> tuple[list[str], int]:
+    """Up to `n` distinct user questions the target writes itself (Magpie), and how many it sampled:
+    batches of the user-turn prefix at `temperature` (seeds 1, 2, ...) until `n` are kept or 4n drawn."""
+    import specjax
+    from train.tokenizer import EOT_ID
+    before, after = user_turn_prefix(target_dir)
+    prefix = [EOT_ID] + tok.encode(before).ids
+    end_id = tok.encode(after).ids[0]  # the token that closes the turn (e.g. <|im_end|>)
+    kept, seen, drawn, seed = [], set(), 0, 0
+    while len(kept) < n and drawn < 4 * n:
+        seed += 1
+        result = specjax.generate(model, [prefix] * batch, max_new_tokens=max_tokens, capacity=max(256, len(prefix) + max_tokens),
+                                  temperature=temperature, seed=seed, eos_token_id=(end_id,))
+        drawn += batch
+        for s in result.sequences():
+            ids = cut_turn(s, end_id)
+            text = tok.decode(ids).strip() if ids is not None else ""
+            if text and text not in seen:
+                seen.add(text)
+                kept.append(text)
+    return kept[:n], drawn
+
+
 def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int, batch: int, samples: int = 0,
-          temperature: float = 1.0, weights: str = "float32") -> dict:
+          temperature: float = 1.0, weights: str = "float32", n_questions: int = 0) -> dict:
     """The greedy continuation of every prompt, and `samples` more drawn at `temperature` (our own
     batched `generate`, seeds 1..samples); identical documents kept once. `weights`: the target's
     weight dtype (`load_model(weights=...)`): the outputs of the target as it is deployed, though with
@@ -59,9 +114,12 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
         code += [p["ids"] for p in prompts.prompt_set(kind, tok, (n_code + 1) // 2, split="train", context_tokens=192)]
     code = code[:n_code]
     chat = [[EOT_ID] + tok.encode(t).ids for t in chat_prompt_texts(target_dir, tok, n_chat)] if n_chat else []
-    docs, generated, seen, dropped = [], {"code": 0, "chat": 0}, set(), 0
     t0 = time.perf_counter()
-    jobs = [("code", p) for p in code] + [("chat", p) for p in chat]
+    questions, drawn = sample_questions(model, tok, target_dir, n_questions, batch) if n_questions else ([], 0)
+    from specjax.chat import render_chat
+    asked = [[EOT_ID] + tok.encode(render_chat(target_dir, [{"role": "user", "content": q}])).ids for q in questions]
+    docs, generated, seen, dropped = [], {"code": 0, "chat": 0, "questions": 0}, set(), 0
+    jobs = [("code", p) for p in code] + [("chat", p) for p in chat] + [("questions", p) for p in asked]
     for i in tqdm(range(0, len(jobs), batch), desc="continuations", unit="batch"):
         part = jobs[i:i + batch]
         runs = [specjax.generate(model, [p for _, p in part], max_new_tokens=new_tokens, capacity=1024)]
@@ -80,6 +138,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, stream)
     summary = {"target": target_dir, "code_prompts": len(code), "chat_prompts": len(chat),
+               "questions": {"asked": len(questions), "sampled": drawn, "first": questions[:8]},
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
                "samples_per_prompt": samples, "temperature": temperature if samples else None,
@@ -95,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--code", type=int, default=96, help="code prompts (train split)")
     ap.add_argument("--chat", type=int, default=96, help="chat prompts (train-split functions under an instruction)")
+    ap.add_argument("--questions", type=int, default=0,
+                    help="chat prompts whose user turn the target writes itself (Magpie), answered greedily")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--samples", type=int, default=0, help="T=--temperature samples per prompt besides the greedy one")
@@ -103,7 +164,7 @@ def main(argv=None):
                     help="the target's weight dtype (as deployed; the ordinary attention, not the batch-invariant one)")
     args = ap.parse_args(argv)
     print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch, args.samples,
-                           args.temperature, args.weights), indent=2))
+                           args.temperature, args.weights, args.questions), indent=2))
 
 
 if __name__ == "__main__":
