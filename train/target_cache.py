@@ -274,7 +274,8 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=None, help="at most this many windows of the stream")
     ap.add_argument("--shard-windows", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--extra", default=None, help="a .npy token stream (the target's continuations) mixed in")
+    ap.add_argument("--extra", default=None,
+                    help="a .npy token stream (the target's continuations) mixed in; several: comma-separated, joined")
     ap.add_argument("--extra-repeat", type=int, default=1)
     ap.add_argument("--corpus-tokens", type=int, default=None,
                     help="the corpus's first N training tokens only (sets the extra's share when --windows cuts)")
@@ -289,7 +290,7 @@ def main(argv=None) -> None:
     corpus = streams.train if args.corpus_tokens is None else streams.train[:args.corpus_tokens]
     parts, mix = [corpus], {"corpus_tokens": int(len(corpus))}
     if args.extra:
-        extra = np.load(args.extra).astype(np.int32)
+        extra = np.concatenate([np.load(f).astype(np.int32) for f in args.extra.split(",")])
         mix.update(extra=args.extra, extra_tokens=int(len(extra)), extra_repeat=args.extra_repeat)
         parts.append(np.tile(extra, args.extra_repeat))
     stream = np.concatenate(parts)
