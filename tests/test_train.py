@@ -523,6 +523,16 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
             == specjax.generate(target, prompts, max_new_tokens=12).sequences())
 
 
+def test_cache_extra_streams_join_in_order(tmp_path):
+    from train import target_cache
+    np.save(tmp_path / "a.npy", np.arange(5, dtype=np.int32))
+    np.save(tmp_path / "b.npy", np.arange(10, 13, dtype=np.int64))
+    got = target_cache.extra_stream(f"{tmp_path / 'a.npy'},{tmp_path / 'b.npy'}")
+    assert got.dtype == np.int32 and got.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
+    with pytest.raises(ValueError, match="no file"):
+        target_cache.extra_stream(",")
+
+
 def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
     """`train.target_cache --weights int8` (issue 45): the cache holds the int8 target's features and
     top-k (the target as deployed), its manifest says so, a rebuild at another dtype is refused, and a

@@ -264,6 +264,14 @@ def dense_logits(topk_ids_xK, topk_logp_xK, vocab_size: int):
     return flat.reshape(shape)
 
 
+def extra_stream(spec: str) -> np.ndarray:
+    """`--extra`: one .npy token stream, or several comma-separated, joined in order (int32)."""
+    files = [f for f in spec.split(",") if f]
+    if not files:
+        raise ValueError(f"--extra {spec!r}: no file named")
+    return np.concatenate([np.load(f, allow_pickle=False).astype(np.int32).reshape(-1) for f in files])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -290,7 +298,7 @@ def main(argv=None) -> None:
     corpus = streams.train if args.corpus_tokens is None else streams.train[:args.corpus_tokens]
     parts, mix = [corpus], {"corpus_tokens": int(len(corpus))}
     if args.extra:
-        extra = np.concatenate([np.load(f).astype(np.int32) for f in args.extra.split(",")])
+        extra = extra_stream(args.extra)
         mix.update(extra=args.extra, extra_tokens=int(len(extra)), extra_repeat=args.extra_repeat)
         parts.append(np.tile(extra, args.extra_repeat))
     stream = np.concatenate(parts)
