@@ -85,11 +85,11 @@ $(SMOLLM2_DIR)/model.safetensors: $(SMOLLM2_GGUF)
 smollm2-drafter: smollm2
 	test -f runs/smollm2-continuations.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
 		--out runs/smollm2-continuations.npy --code 256 --chat 256 --new-tokens 192 --weights int8
-	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature.json \
-		--run-dir runs/smollm2-135m-instruct-feature --export models/smollm2-135m-instruct-feature
-	# DSpark on the offline cache of the int8 target (as it is deployed), its continuations mixed in
+	# both drafters on one offline cache of the int8 target (as it is deployed), its continuations mixed in
 	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2 \
 		--windows 1100 --corpus-tokens 131072 --extra runs/smollm2-continuations.npy --weights int8
+	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature.json \
+		--run-dir runs/smollm2-135m-instruct-feature-v2 --export models/smollm2-135m-instruct-feature
 	$(BIN)/python -m train.block --config configs/smollm2-135m-instruct-dspark.json \
 		--run-dir runs/smollm2-135m-instruct-dspark-v3 --export models/smollm2-135m-instruct-dspark
 	for m in smollm2-135m-instruct-feature smollm2-135m-instruct-dspark; do \

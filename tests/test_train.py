@@ -359,6 +359,7 @@ def test_block_drafter_trains_resumes_calibrates_and_drafts_losslessly(zoo, full
         block.train(_block_cfg(zoo, full_run, anchors=3), zoo["base"] / "blk-resume", progress=False)
     info = json.loads((zoo["base"] / "blk-export" / "train_info.json").read_text())
     assert len(info["calibration"]["temperatures"]) == 4 and info["timing"]["tokens_per_s"] > 0
+    assert info["calibration"]["objective"] == "log_loss"
     assert info["block_positions_trained"] == 8 * 4 * 4 * 4
     card, _ = model_card.block_card(zoo["base"] / "blk-export")
     assert "acceptance by position" in card and f"configs/{cfg.name}.json" in card

@@ -593,7 +593,7 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
     if conf is not None:
         temps, _, _ = calib.calibrate_temperatures(conf[0::2], accepted[0::2])
         head.config = dataclasses.replace(head.config, confidence_temperatures=temps)
-        calibration = {"temperatures": list(temps), "fit_blocks": int(len(conf[0::2])),
+        calibration = {"temperatures": list(temps), "objective": "log_loss", "fit_blocks": int(len(conf[0::2])),
                        "heldout_blocks": int(len(conf[1::2])),
                        "ece_before": np.round(calib.survival_ece(conf[1::2], accepted[1::2]), 4).tolist(),
                        "ece_after": np.round(calib.survival_ece(conf[1::2], accepted[1::2], temps), 4).tolist()}

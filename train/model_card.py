@@ -376,7 +376,7 @@ def block_card(model_dir: Path) -> tuple[str, dict]:
     calib_text = "" if not calib else f"""
 ## Confidence calibration
 Sequential temperature scaling on the validation blocks (per position, left to right, minimising the
-ECE of the cumulative product of confidences against "all positions up to k accepted"; the labels
+{"log loss" if calib.get("objective") == "log_loss" else "ECE"} of the cumulative product of confidences against "all positions up to k accepted"; the labels
 are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
 {fmt(calib['ece_before'])}, after {fmt(calib['ece_after'])} ({heldout}).
 """
