@@ -569,10 +569,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    if stop > start:  # a line per session that trained (a resumed run adds one; a re-export of a finished run none)
-        with (run_dir / "timing.jsonl").open("a") as f:
-            f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
-                                "wall_s": round(time.perf_counter() - t_run, 1)}) + "\n")
+    drafter_run.record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run)
     if int(state["step"]) == cfg.steps and export_dir is not None:
         export(cfg, identity, head_of, eval_step, state["params"], val, export_dir, run_dir, ranking)
     return state

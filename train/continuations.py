@@ -138,7 +138,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, stream)
     summary = {"target": target_dir, "code_prompts": len(code), "chat_prompts": len(chat),
-               "questions": {"asked": len(questions), "sampled": drawn, "first": questions[:8]},
+               "questions": {"requested": n_questions, "asked": len(questions), "sampled": drawn, "first": questions[:8]},
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
                "samples_per_prompt": samples, "temperature": temperature if samples else None,

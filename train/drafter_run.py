@@ -302,10 +302,7 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    if stop > start:  # a line per session that trained (a resumed run adds one; a re-export of a finished run none)
-        with (run_dir / "timing.jsonl").open("a") as f:
-            f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
-                                "wall_s": round(time.perf_counter() - t_run, 1)}) + "\n")
+    record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run)
     if int(state["step"]) == cfg.steps and export_dir is not None:
         if record is None:
             record = evaluate(eval_step, state["params"], val, cfg.batch_size)
@@ -345,6 +342,15 @@ def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int
     from specjax.drafters import vocab as vocab_lib
     ranking = vocab_lib.token_ranking(stream, load_model(str(target_dir)).config.vocab_size)
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])
+
+
+def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float) -> None:
+    """Appends this session's steps and seconds to `timing.jsonl`: a line per session that trained (a
+    resumed run adds one; a finished run run again, to re-export it, none)."""
+    if stop > start:
+        with (Path(run_dir) / "timing.jsonl").open("a") as f:
+            f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
+                                "wall_s": round(wall_s, 1)}) + "\n")
 
 
 def session_timing(run_dir) -> dict:

@@ -274,11 +274,15 @@ def _cache_commands(cfg: dict, m: dict) -> str:
     """The commands that made a cache, from its manifest (and its continuations' summary)."""
     mix = m.get("mix") or {}
     cmds = []
-    summary = _resolve(mix["extra"]).with_suffix(".json") if mix.get("extra") else None
-    if summary is not None and summary.exists():
+    for extra in (mix.get("extra") or "").split(","):  # `--extra` may join several streams
+        summary = _resolve(extra).with_suffix(".json") if extra else None
+        if summary is None or not summary.exists():
+            continue
         s = json.loads(summary.read_text())
-        cmds.append(f"python -m train.continuations --target {cfg['target']} --out {mix['extra']} --code {s['code_prompts']} "
+        questions = (s.get("questions") or {}).get("requested")
+        cmds.append(f"python -m train.continuations --target {cfg['target']} --out {extra} --code {s['code_prompts']} "
                     f"--chat {s['chat_prompts']} --new-tokens {s['new_tokens']}"
+                    + (f" --questions {questions}" if questions else "")
                     + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else "")
                     + (f" --weights {s['weights']}" if s.get("weights", "float32") != "float32" else ""))
     cache = (f"python -m train.target_cache --target {cfg['target']} --layers {','.join(map(str, m['layers']))} "
