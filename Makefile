@@ -88,8 +88,16 @@ smollm2-drafter: smollm2
 	# both drafters on one offline cache of the int8 target (as it is deployed), its continuations mixed in
 	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2 \
 		--windows 1100 --corpus-tokens 131072 --extra runs/smollm2-continuations.npy --weights int8
+	test -f runs/smollm2-questions.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
+		--out runs/smollm2-questions.npy --code 0 --chat 0 --questions 256 --weights int8
+	# the feature drafter in two stages: the first cache, then continued (init_from) on one with the questions
+	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature-stage1.json \
+		--run-dir runs/smollm2-135m-instruct-feature-stage1 --export runs/export/smollm2-135m-instruct-feature-stage1
+	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2-q \
+		--windows 1400 --corpus-tokens 131072 --extra runs/smollm2-continuations.npy,runs/smollm2-questions.npy \
+		--weights int8
 	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature.json \
-		--run-dir runs/smollm2-135m-instruct-feature-v2 --export models/smollm2-135m-instruct-feature
+		--run-dir runs/smollm2-135m-instruct-feature-v3 --export models/smollm2-135m-instruct-feature
 	$(BIN)/python -m train.block --config configs/smollm2-135m-instruct-dspark.json \
 		--run-dir runs/smollm2-135m-instruct-dspark-v3 --export models/smollm2-135m-instruct-dspark
 	for m in smollm2-135m-instruct-feature smollm2-135m-instruct-dspark; do \

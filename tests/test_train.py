@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.models.transformer import init_cache, prefill
 from train import corpus, data, eval_ppl, lm
 from helpers import stdlib_sample
@@ -285,6 +285,19 @@ def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     from train import model_card
     card, _ = model_card.feature_card(zoo["base"] / "feat-export")
     assert f"configs/{cfg.name}.json" in card
+    # continued from the export (`init_from`): step 0 holds its weights; its digest joins the identity
+    from safetensors.numpy import load_file
+    cont = _feature_cfg(zoo, full_run, init_from=str(zoo["base"] / "feat-export"))
+    start = feature.train(cont, zoo["base"] / "feat-cont", max_steps=0, progress=False)
+    stored = load_file(str(zoo["base"] / "feat-export" / "model.safetensors"))
+    for key, value in nnx.to_flat_state(start["params"]):
+        np.testing.assert_array_equal(np.asarray(value.get_value()), stored[".".join(map(str, key))].astype(np.float32))
+    ident = json.loads((zoo["base"] / "feat-cont" / "run.json").read_text())
+    assert ident["init_from_sha256"] == weights_sha256(zoo["base"] / "feat-export")
+    assert "Continued from" in model_card._continued_from(dataclasses.asdict(cont), ident, 100)
+    with pytest.raises(ValueError, match="not a feature"):  # a target is no feature drafter to start from
+        feature.train(_feature_cfg(zoo, full_run, init_from=str(full_run["export"])), zoo["base"] / "feat-bad",
+                      max_steps=0, progress=False)
     prompts = [[EOT_ID, 5, 9, 14, 30, 31], [EOT_ID, 40, 41, 42]]
     ref = specjax.generate(target, prompts, max_new_tokens=12)
     got = specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=3")

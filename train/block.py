@@ -376,7 +376,7 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
         if cfg.init_from_target:
             start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         if cfg.init_from:
-            start_from(head, _resolve(cfg.init_from))
+            drafter_run.start_from(head, _resolve(cfg.init_from))
         params = nnx.state(head, nnx.Param)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
@@ -425,42 +425,6 @@ def start_from_target(head: Bk.BlockHead, target) -> None:
                 getattr(layer.mlp, name).weight.set_value(jnp.array(getattr(src.mlp, name).weight.get_value()))
     E, L = cfg.hidden_size, len(cfg.target_layers)
     head.fc.weight.set_value(jnp.zeros((L * E, E), head.fc.weight.dtype).at[(L - 1) * E:].set(jnp.eye(E)))
-
-
-def check_init_from(path: Path, target_sha256: str) -> str:
-    """The digest of `init_from`'s weights; ValueError unless it is a block drafter trained on this target."""
-    from specjax.checkpoint import weights_sha256
-    from specjax.drafters import heads
-    try:
-        heads.read_config(str(path), "block")
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"init_from: {e}") from None
-    info = path / "train_info.json"
-    trained_on = json.loads(info.read_text()).get("run", {}).get("target_sha256") if info.exists() else None
-    if trained_on is not None and trained_on != target_sha256:
-        raise ValueError(f"init_from {path} was trained on other target weights ({trained_on[:12]}…)")
-    return weights_sha256(path)
-
-
-def start_from(head: Bk.BlockHead, path) -> None:
-    """Copies a trained block drafter's parameters into `head` wherever names and shapes match (a
-    ReaDy head from a DSpark one: everything but the fresh reader); ValueError when nothing matches
-    or a shared name has another shape."""
-    from safetensors.numpy import load_file
-    tensors = load_file(str(Path(path) / "model.safetensors"))
-    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
-    copied = 0
-    for key, var in flat.items():
-        name = ".".join(map(str, key))
-        if name in tensors:
-            if tuple(tensors[name].shape) != tuple(var.get_value().shape):
-                raise ValueError(f"init_from {path}: {name!r} has shape {tensors[name].shape}, "
-                                 f"expected {var.get_value().shape}")
-            var.set_value(jnp.asarray(tensors[name].astype("float32"), var.get_value().dtype))
-            copied += 1
-    if not copied:
-        raise ValueError(f"init_from {path}: no parameter of this drafter is there")
-    nnx.update(head, nnx.from_flat_state(flat))
 
 
 def evaluate(eval_step, params, windows, batch_size, zero_state=False) -> tuple[dict, np.ndarray | None, np.ndarray]:
@@ -516,7 +480,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
             raise ValueError(f"{cfg.anchors} anchors do not fit windows of {cfg.seq_len} tokens on a state grid of "
                              f"{cfg.state_every} with blocks of {hcfg_check.block_size}: at most {n}")
     if cfg.init_from:  # the starting weights are part of the run (a retrained export changes its digest)
-        identity["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), identity["target_sha256"])
+        identity["init_from_sha256"] = drafter_run.check_init_from(_resolve(cfg.init_from), identity["target_sha256"], "block")
     identity.update(drafter_run.cache_identity(cfg))  # a resumed run refuses a changed cache
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 

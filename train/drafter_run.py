@@ -20,10 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors.numpy import load_file
 from tqdm import tqdm
 
 from specjax import sharding
 from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
+from specjax.drafters import heads
 from train import data, target_cache
 from train.lm import RunRefused, _resolve, load_streams_for, repo_relative
 
@@ -241,18 +244,55 @@ def cache_identity(cfg) -> dict:
     return ident if weights == "float32" else {**ident, "target_weights": weights}
 
 
+def check_init_from(path: Path, target_sha256: str, kind: str) -> str:
+    """The digest of `init_from`'s weights (part of the run's identity: a retrained export changes it);
+    ValueError unless it is a `kind` drafter trained on this target."""
+    try:
+        heads.read_config(str(path), kind)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"init_from: {e}") from None
+    info = path / "train_info.json"
+    trained_on = json.loads(info.read_text()).get("run", {}).get("target_sha256") if info.exists() else None
+    if trained_on is not None and trained_on != target_sha256:
+        raise ValueError(f"init_from {path} was trained on other target weights ({trained_on[:12]}…)")
+    return weights_sha256(path)
+
+
+def start_from(head, path) -> None:
+    """Copies a trained drafter's parameters into `head` wherever names and shapes match (a ReaDy head
+    from a DSpark one: everything but the fresh reader; a feature head from the one it replaces: all
+    of it); ValueError when nothing matches or a shared name has another shape."""
+    tensors = load_file(str(Path(path) / heads.WEIGHTS_FILE))
+    flat = dict(nnx.to_flat_state(nnx.state(head, nnx.Param)))
+    copied = 0
+    for key, var in flat.items():
+        name = ".".join(map(str, key))
+        if name in tensors:
+            if tuple(tensors[name].shape) != tuple(var.get_value().shape):
+                raise ValueError(f"init_from {path}: {name!r} has shape {tensors[name].shape}, "
+                                 f"expected {var.get_value().shape}")
+            var.set_value(jnp.asarray(tensors[name].astype("float32"), var.get_value().dtype))
+            copied += 1
+    if not copied:
+        raise ValueError(f"init_from {path}: no parameter of this drafter is there")
+    nnx.update(head, nnx.from_flat_state(flat))
+
+
 def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, save_head, *, max_steps=None,
-                 overwrite=False, progress=True, mesh=None, cache_layers=None):
+                 overwrite=False, progress=True, mesh=None, cache_layers=None, kind=None):
     """The training loop of a drafter trained with `unrolled_loss` (feature, MTP): resumable (orbax,
     same data order), validation records to metrics.jsonl, and at the last step the export:
     `save_head(params, export_dir)` + `train_info.json`. `train_step(state, tokens) -> (state, metrics)`,
     `eval_step(params, tokens) -> (loss, per-step loss, agreement)`, `init() -> state`; `rules`: the
     head's layout on `mesh`; `cache_layers`: the target layers it reads from a cache (default
-    `cfg.target_layers`)."""
+    `cfg.target_layers`); `kind`: the drafter kind a config's `init_from` must hold (its digest joins
+    the run's identity; `init()` copies it)."""
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
     target_dir = _resolve(cfg.target)
     ident = identity(cfg, target_dir)
+    if getattr(cfg, "init_from", None):
+        ident["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), ident["target_sha256"], kind)
     ident.update(cache_identity(cfg))
     open_run(run_dir, export_dir, ident, overwrite)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
@@ -364,8 +404,11 @@ def session_timing(run_dir) -> dict:
 def train_info(cfg, ident: dict, record: dict) -> dict:
     """The export's `train_info.json`: the whole config (what `train.model_card` and `train.zoo`
     read), the target's weights digest, the positions trained on, the final validation record."""
-    return {"run": {"config": config_record(cfg), "target_sha256": ident["target_sha256"],
-                    "target_weights": ident.get("target_weights", "float32")},
+    run = {"config": config_record(cfg), "target_sha256": ident["target_sha256"],
+           "target_weights": ident.get("target_weights", "float32")}
+    if "init_from_sha256" in ident:  # the weights the run started from (a continued drafter)
+        run["init_from_sha256"] = ident["init_from_sha256"]
+    return {"run": run,
             "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len, "final": record}
 
 

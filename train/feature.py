@@ -62,6 +62,10 @@ class FeatureTrainConfig:
     cache: str | None = None
     # Start the decoder layer from the target's top layer (`start_from_target`); ablation: False.
     init_from_target: bool = False
+    # Start from a trained feature drafter of this target (its export directory: every parameter; the
+    # draft ranking is the new stream's, the LM head being the target's rows): a retrain on new data
+    # continues from the drafter it replaces. Its weights' digest joins the run's identity.
+    init_from: str | None = None
 
 
 def load_config(path) -> FeatureTrainConfig:
@@ -137,6 +141,8 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | 
         head = F.FeatureHead(hcfg, nnx.Rngs(cfg.seed))
         if cfg.init_from_target:
             start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
+        if cfg.init_from:
+            drafter_run.start_from(head, _resolve(cfg.init_from))
         return nnx.state(head, nnx.Param)
 
     train_step, eval_step, init = drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
@@ -163,7 +169,8 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
             vocab_lib.save_ranking(str(d), ranking)
 
     return drafter_run.run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, RULES, save,
-                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh)
+                                    max_steps=max_steps, overwrite=overwrite, progress=progress, mesh=mesh,
+                                    kind="feature")
 
 
 def main(argv=None):

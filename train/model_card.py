@@ -164,14 +164,49 @@ distribution, on train-split windows of {cfg['seq_len']} tokens (a short-context
 | top-1 agreement with the target | {agree} |
 
 Acceptance in speculative decoding (τ) is measured by `tools/bench.py`, not here.
-{_feature_extras(cfg, model_dir=model_dir)}{_recipe_section(cfg, info, command)}
+{_feature_extras(cfg, model_dir=model_dir)}{_recipe_section(cfg, info, command)}{_continued_from(cfg, run, tokens)}
 ## Reproduce
 ```
-{_feature_prereqs(cfg)}{command}
+{_feature_prereqs(cfg)}{_stage_command(cfg)}{command}
 python -m train.model_card --model models/{name}
 ```
 """
     return card, {"name": model_dir.name, "config": name, "params": n_params, "val": final}
+
+
+def _stage_info(cfg: dict) -> dict | None:
+    """The `train_info.json` of the drafter a run continued from (`init_from`), where it is on this machine."""
+    path = _resolve(cfg["init_from"]) / "train_info.json" if cfg.get("init_from") else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _continued_from(cfg: dict, run: dict, tokens: int) -> str:
+    """A continued run's start (`init_from`): the drafter it started from, its digest, its own budget."""
+    if not cfg.get("init_from"):
+        return ""
+    digest = (run.get("init_from_sha256") or "")[:12]
+    prev = _stage_info(cfg)
+    if prev is None:
+        return (f"\nContinued from `{cfg['init_from']}` (weights sha256 `{digest}…`; its record is not on this "
+                "machine).\n")
+    pcfg, timing = prev["run"]["config"], prev.get("timing") or {}
+    before = prev.get("tokens_trained") or pcfg["steps"] * pcfg["batch_size"] * pcfg["seq_len"]
+    pcache = f" on the cache `{pcfg['cache']}`" if pcfg.get("cache") else ""
+    return (f"\nContinued from `{cfg['init_from']}` (`init_from`; weights sha256 `{digest}…`, checked when the run "
+            f"opened): that drafter's own run (`configs/{pcfg['name']}.json`, `{prev.get('run_dir')}`) trained "
+            f"{before:,} positions{pcache} in {timing.get('train_step_s', 0) / 60:.1f} min of steps first, so these "
+            f"weights saw {before + tokens:,} positions in all. Its validation agreement, steps 1 → {pcfg['ttt_steps']}: "
+            + " / ".join(f"{a:.3f}" for a in prev["final"]["val_agree"]) + ".\n")
+
+
+def _stage_command(cfg: dict) -> str:
+    """The command that trains the drafter a run continues from (first, in Reproduce)."""
+    prev = _stage_info(cfg)
+    if prev is None:
+        return ""
+    name = prev["run"]["config"]["name"]
+    return (f"python -m train.feature --config configs/{name}.json --run-dir {prev.get('run_dir') or f'runs/{name}'} "
+            f"--export {cfg['init_from']}\n")
 
 
 def _vocab_ceiling(cfg: dict, model_dir: Path | None) -> str:
