@@ -37,6 +37,9 @@ models: install
 		--windows 2132 --corpus-tokens 524288 --extra runs/code-target-continuations.npy
 	$(BIN)/python -m train.target_cache --target models/code-target --layers 7 --out runs/cache/code-target-last \
 		--windows 2132 --corpus-tokens 524288 --extra runs/code-target-continuations.npy
+	# the feature drafter in two stages: 800 steps from the target's layer, then continued (init_from) to 10M positions
+	$(BIN)/python -m train.feature --config configs/code-target-feature-stage1.json --run-dir runs/code-target-feature-stage1 \
+		--export runs/export/code-target-feature-stage1
 	$(BIN)/python -m train.feature --config configs/code-target-feature.json --run-dir runs/code-target-feature --export models/code-target-feature
 	$(BIN)/python -m train.lm --config configs/code-target-hybrid.json --run-dir runs/code-target-hybrid --export models/code-target-hybrid
 	test -f runs/code-target-hybrid-continuations.npy || $(BIN)/python -m train.continuations --target models/code-target-hybrid \

@@ -75,3 +75,16 @@ def test_humaneval_prompts(small_tokenizer):
     got = prompt_sets.prompt_set("humaneval", small_tokenizer, 200, context_tokens=64)
     assert len(got) == 164 and got[0]["path"] == "HumanEval/0" and got[-1]["path"] == "HumanEval/163"
     assert all(p["ids"][0] == EOT_ID or len(p["ids"]) == 64 for p in got)
+
+
+def test_continuations_skip_the_code_prompts_an_earlier_run_took(small_tokenizer, live):
+    """`train.continuations --skip-code K`: new train-split prompts, none of those `--code K` took, so
+    a second stream adds continuations instead of regenerating the first one's."""
+    from train import continuations
+    root, m = live
+    first, more = (continuations.code_prompts(small_tokenizer, n, manifest=m, root=root) for n in (6, 12))
+    second = continuations.code_prompts(small_tokenizer, 6, skip=6, manifest=m, root=root)
+    assert len(first) == len(second) == 6 and not {tuple(p) for p in first} & {tuple(p) for p in second}
+    assert {tuple(p) for p in first + second} == {tuple(p) for p in more}
+    with pytest.raises(ValueError, match="skip"):
+        continuations.code_prompts(small_tokenizer, 6, skip=-1, manifest=m, root=root)

@@ -544,13 +544,14 @@ def test_card_rebuilds_every_continuations_command_of_a_cache(tmp_path):
     a, b = tmp_path / "code.npy", tmp_path / "questions.npy"
     base = {"code_prompts": 4, "chat_prompts": 2, "new_tokens": 8, "weights": "int8"}
     a.with_suffix(".json").write_text(json.dumps(base))
-    b.with_suffix(".json").write_text(json.dumps({**base, "code_prompts": 0, "chat_prompts": 0,
+    b.with_suffix(".json").write_text(json.dumps({**base, "code_prompts": 0, "chat_prompts": 0, "code_skipped": 4,
                                                   "questions": {"requested": 16, "asked": 12}}))
     m = {"layers": [0, 1], "windows": 3, "weights": "int8",
          "mix": {"extra": f"{a},{b}", "corpus_tokens": 100, "extra_repeat": 1}}
     cmds = model_card._cache_commands({"target": "t", "cache": "c"}, m).split("` then `")
     assert cmds == [f"python -m train.continuations --target t --out {a} --code 4 --chat 2 --new-tokens 8 --weights int8",
-                    f"python -m train.continuations --target t --out {b} --code 0 --chat 0 --new-tokens 8 --questions 16 --weights int8",
+                    f"python -m train.continuations --target t --out {b} --code 0 --chat 0 --new-tokens 8 --skip-code 4 "
+                    "--questions 16 --weights int8",
                     f"python -m train.target_cache --target t --layers 0,1 --out c --windows 3 --corpus-tokens 100 "
                     f"--extra {a},{b} --extra-repeat 1 --weights int8"]
 

@@ -18,6 +18,9 @@ corpus stream's layout), for a drafter config's `extra_train`, plus a JSON summa
 
     python -m train.continuations --target models/smollm2-135m-instruct \
         --out runs/smollm2-continuations.npy --code 96 --chat 96 --new-tokens 192
+
+A second stream of new code prompts (`--skip-code 96`: none of the 96 above) joins the first in a
+cache's `--extra a.npy,b.npy`.
 """
 from __future__ import annotations
 
@@ -35,6 +38,32 @@ INSTRUCTIONS = (
     "Write pytest unit tests for this function:\n\n```python\n{src}```",
     "Rewrite this Python function to be shorter and clearer:\n\n```python\n{src}```",
 )
+
+
+def code_prompts(tok, n: int, skip: int = 0, **where) -> list[list[int]]:
+    """`n` train-split code prompts: half cut after a `def` line, half at a docstring's quotes
+    (`train.prompts.prompt_set`, deterministic), none of those a run with `--code skip` took, so a
+    later run adds new prompts instead of regenerating the greedy continuations it already has.
+    `where`: prompt_set's manifest / root."""
+    from train import prompts
+
+    def taken(m: int) -> list[list[int]]:
+        half = (m + 1) // 2
+        return [p["ids"] for kind in ("functions", "docstrings")
+                for p in prompts.prompt_set(kind, tok, half, split="train", context_tokens=192, **where)]
+
+    if n < 0 or skip < 0:
+        raise ValueError(f"code prompts: n and skip must be >= 0, got n={n}, skip={skip}")
+    if not skip:
+        return taken(n)[:n]
+    used = {tuple(p) for p in taken(skip)[:skip]}
+    half_n, half_skip = (n + 1) // 2, (skip + 1) // 2
+    out = []
+    for kind in ("functions", "docstrings"):
+        fresh = [p["ids"] for p in prompts.prompt_set(kind, tok, half_skip + half_n, split="train", context_tokens=192, **where)
+                 if tuple(p["ids"]) not in used]
+        out += fresh[:half_n]
+    return out[:n]
 
 
 def chat_prompt_texts(target_dir: str, tok, n: int) -> list[str]:
@@ -96,7 +125,7 @@ def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens
 
 
 def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int, batch: int, samples: int = 0,
-          temperature: float = 1.0, weights: str = "float32", n_questions: int = 0) -> dict:
+          temperature: float = 1.0, weights: str = "float32", n_questions: int = 0, skip_code: int = 0) -> dict:
     """The greedy continuation of every prompt, and `samples` more drawn at `temperature` (our own
     batched `generate`, seeds 1..samples); identical documents kept once. `weights`: the target's
     weight dtype (`load_model(weights=...)`): the outputs of the target as it is deployed, though with
@@ -104,15 +133,11 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     way, which training data allows. The summary records the seconds taken."""
     import specjax
     from specjax.checkpoint import load_tokenizer
-    from train import prompts
     from train.tokenizer import EOT_ID
 
     model = specjax.load_model(target_dir, weights=weights, invariant=False)
     tok = load_tokenizer(target_dir)
-    code = []
-    for kind in ("functions", "docstrings"):
-        code += [p["ids"] for p in prompts.prompt_set(kind, tok, (n_code + 1) // 2, split="train", context_tokens=192)]
-    code = code[:n_code]
+    code = code_prompts(tok, n_code, skip_code)
     chat = [[EOT_ID] + tok.encode(t).ids for t in chat_prompt_texts(target_dir, tok, n_chat)] if n_chat else []
     t0 = time.perf_counter()
     questions, drawn = sample_questions(model, tok, target_dir, n_questions, batch) if n_questions else ([], 0)
@@ -137,7 +162,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     stream = np.concatenate(docs)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, stream)
-    summary = {"target": target_dir, "code_prompts": len(code), "chat_prompts": len(chat),
+    summary = {"target": target_dir, "code_prompts": len(code), "code_skipped": skip_code, "chat_prompts": len(chat),
                "questions": {"requested": n_questions, "asked": len(questions), "sampled": drawn, "first": questions[:8]},
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
@@ -153,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--target", required=True)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--code", type=int, default=96, help="code prompts (train split)")
+    ap.add_argument("--skip-code", type=int, default=0, metavar="K",
+                    help="leave out the code prompts a run with --code K took (new prompts for a second stream)")
     ap.add_argument("--chat", type=int, default=96, help="chat prompts (train-split functions under an instruction)")
     ap.add_argument("--questions", type=int, default=0,
                     help="chat prompts whose user turn the target writes itself (Magpie), answered greedily")
@@ -164,7 +191,7 @@ def main(argv=None):
                     help="the target's weight dtype (as deployed; the ordinary attention, not the batch-invariant one)")
     args = ap.parse_args(argv)
     print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch, args.samples,
-                           args.temperature, args.weights, args.questions), indent=2))
+                           args.temperature, args.weights, args.questions, args.skip_code), indent=2))
 
 
 if __name__ == "__main__":

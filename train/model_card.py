@@ -317,6 +317,7 @@ def _cache_commands(cfg: dict, m: dict) -> str:
         questions = (s.get("questions") or {}).get("requested")
         cmds.append(f"python -m train.continuations --target {cfg['target']} --out {extra} --code {s['code_prompts']} "
                     f"--chat {s['chat_prompts']} --new-tokens {s['new_tokens']}"
+                    + (f" --skip-code {s['code_skipped']}" if s.get("code_skipped") else "")
                     + (f" --questions {questions}" if questions else "")
                     + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else "")
                     + (f" --weights {s['weights']}" if s.get("weights", "float32") != "float32" else ""))
