@@ -37,8 +37,9 @@ def test_shipped_lms():
 
 
 def test_shipped_feature_drafters():
+    targets = {}  # each target loaded once for its drafters (drafting leaves it unchanged)
     for name in FEATURES:
-        _check_feature(name)
+        _check_feature(name, targets)
 
 
 def _check_lm(name):
@@ -60,7 +61,7 @@ def _check_lm(name):
     assert zoo.greedy_continuation(model, zoo.prompt_ids(load_tokenizer(str(d)))) == want["greedy"]
 
 
-def _check_feature(name):
+def _check_feature(name, targets):
     from specjax.checkpoint import load_model, load_tokenizer
     d = REPO / "models" / name
     want = ZOO["models"][name]
@@ -75,9 +76,10 @@ def _check_feature(name):
         assert want["target"] in zoo.BUILT  # a converted real model (make smollm2): its chain is checked where built
         _check_head_alone(d, want["kind"])
         return
-    target_dir = REPO / "models" / want["target"]
-    target = load_model(str(target_dir))
-    ids = zoo.prompt_ids(load_tokenizer(str(target_dir)))
+    if want["target"] not in targets:
+        target_dir = str(REPO / "models" / want["target"])
+        targets[want["target"]] = load_model(target_dir), zoo.prompt_ids(load_tokenizer(target_dir))
+    target, ids = targets[want["target"]]
     assert zoo.draft_chain(d, target, ids) == want["draft_chain"]
     if "draft_tree" in want:  # a TreeFlash head: the tree its rows give (its chain is the backbone's)
         assert zoo.draft_chain(d, target, ids, zoo.DRAFT_TREE) == want["draft_tree"]
