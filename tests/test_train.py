@@ -536,6 +536,19 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     assert specjax.generate(target, prompts, max_new_tokens=12, drafters=[drafter], tree="chain=4").sequences() == ref
 
 
+def test_a_session_stopped_mid_run_keeps_its_time_to_the_last_checkpoint(tmp_path):
+    """The trainers write their session's line of `timing.jsonl` at every checkpoint (replacing it),
+    so a process stopped mid-run leaves its time up to the checkpoint its resume starts from."""
+    from train import drafter_run
+    drafter_run.record_session(tmp_path, 0, 50, 10.0, 11.0, "a")
+    drafter_run.record_session(tmp_path, 0, 100, 20.0, 22.0, "a")  # the next checkpoint; then the process is stopped
+    drafter_run.record_session(tmp_path, 100, 150, 9.0, 10.0, "b")  # the resumed session, to the end
+    drafter_run.record_session(tmp_path, 150, 150, 0.0, 1.0, "c")  # a re-export: no steps, no line
+    t = drafter_run.session_timing(tmp_path)
+    assert [x["steps"] for x in t["sessions"]] == [[0, 100], [100, 150]]
+    assert t["train_step_s"] == 29.0 and t["wall_s"] == 32.0
+
+
 def test_card_rebuilds_every_continuations_command_of_a_cache(tmp_path):
     """A cache whose `--extra` joined two streams: the card's "Built with" gives one
     train.continuations command per stream (with --questions where the stream has them), then the cache's."""

@@ -504,6 +504,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
     t_run, t_last, n_tok, train_s = time.perf_counter(), time.perf_counter(), 0, 0.0
+    session = drafter_run.session_key()
     record = None
     for step in range(start, stop):
         if cache is None:
@@ -530,10 +531,12 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
             bar.write(f"step {done}: val loss {record['val_loss']:.4f}, acceptance by position {record['val_accept']}")
             t_last, n_tok = time.perf_counter(), 0
         mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
+        if done % cfg.checkpoint_every == 0 and done < stop:
+            drafter_run.record_session(run_dir, start, done, train_s, time.perf_counter() - t_run, session)
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    drafter_run.record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run)
+    drafter_run.record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run, session)
     if int(state["step"]) == cfg.steps and export_dir is not None:
         export(cfg, identity, head_of, eval_step, state["params"], val, export_dir, run_dir, ranking)
     return state

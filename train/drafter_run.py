@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -312,7 +313,7 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     start, stop = int(state["step"]), cfg.steps if max_steps is None else min(max_steps, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, disable=not progress, dynamic_ncols=True)
     t_run = t_last = time.perf_counter()
-    n_tok, train_s = 0, 0.0
+    n_tok, train_s, session = 0, 0.0, session_key()
     record = None
     for step in range(start, stop):
         if cache is None:
@@ -339,10 +340,12 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
             bar.write(f"step {done}: val loss {record['val_loss']:.4f}, top-1 agreement by step {record['val_agree']}")
             t_last, n_tok = time.perf_counter(), 0
         mngr.save(done, args=ocp.args.StandardSave(state), force=(done == stop))
+        if done % cfg.checkpoint_every == 0 and done < stop:
+            record_session(run_dir, start, done, train_s, time.perf_counter() - t_run, session)
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run)
+    record_session(run_dir, start, stop, train_s, time.perf_counter() - t_run, session)
     if int(state["step"]) == cfg.steps and export_dir is not None:
         if record is None:
             record = evaluate(eval_step, state["params"], val, cfg.batch_size)
@@ -384,13 +387,28 @@ def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])
 
 
-def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float) -> None:
-    """Appends this session's steps and seconds to `timing.jsonl`: a line per session that trained (a
-    resumed run adds one; a finished run run again, to re-export it, none)."""
-    if stop > start:
-        with (Path(run_dir) / "timing.jsonl").open("a") as f:
-            f.write(json.dumps({"steps": [start, stop], "train_step_s": round(train_s, 1),
-                                "wall_s": round(wall_s, 1)}) + "\n")
+def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float, session: str | None = None) -> None:
+    """Writes this session's steps and seconds to `timing.jsonl`: a line per session that trained (a
+    resumed run adds one; a finished run run again, to re-export it, none). `session`: this session's
+    key; its line is replaced, so a trainer calls this at every checkpoint and a session killed
+    mid-run (a stopped process) keeps its time up to its last checkpoint, the steps a resume starts
+    from (the steps after it are trained, and counted, again)."""
+    if stop <= start:
+        return
+    f = Path(run_dir) / "timing.jsonl"
+    lines = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+    if session is not None:
+        lines = [t for t in lines if t.get("session") != session]
+    lines.append({"steps": [start, stop], "train_step_s": round(train_s, 1), "wall_s": round(wall_s, 1),
+                  **({"session": session} if session is not None else {})})
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(t) + "\n" for t in lines))
+    tmp.replace(f)
+
+
+def session_key() -> str:
+    """A key for this training session's line in `timing.jsonl` (its start time and process)."""
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime())}-{os.getpid()}"
 
 
 def session_timing(run_dir) -> dict:

@@ -301,6 +301,9 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
         lines.append(f"Wall time {timing.get('wall_s', 0) / 60:.1f} min over {sessions} session(s) "
                      f"({timing.get('train_step_s', 0) / 60:.1f} min in training steps) on {cpu_name()}, "
                      f"{os.cpu_count()} cores.")
+        for t in timing.get("sessions", []):
+            if t.get("estimated"):
+                lines.append(f"The session of steps {t['steps'][0]}–{t['steps'][1]} is estimated: {t['estimated']}.")
     lines.append(f"Command: `{command}`.")
     return "\n## Recipe\n" + "\n".join(lines) + "\n"
 
