@@ -42,28 +42,17 @@ INSTRUCTIONS = (
 
 def code_prompts(tok, n: int, skip: int = 0, **where) -> list[list[int]]:
     """`n` train-split code prompts: half cut after a `def` line, half at a docstring's quotes
-    (`train.prompts.prompt_set`, deterministic), none of those a run with `--code skip` took, so a
-    later run adds new prompts instead of regenerating the greedy continuations it already has.
-    `where`: prompt_set's manifest / root."""
+    (`train.prompts.prompt_set`, deterministic: a longer set starts with a shorter one), none of those
+    a run with `--code skip` took, so a later run adds new prompts instead of regenerating the greedy
+    continuations it already has. `where`: prompt_set's manifest / root."""
     from train import prompts
-
-    def taken(m: int) -> list[list[int]]:
-        half = (m + 1) // 2
-        return [p["ids"] for kind in ("functions", "docstrings")
-                for p in prompts.prompt_set(kind, tok, half, split="train", context_tokens=192, **where)]
-
     if n < 0 or skip < 0:
         raise ValueError(f"code prompts: n and skip must be >= 0, got n={n}, skip={skip}")
-    if not skip:
-        return taken(n)[:n]
-    used = {tuple(p) for p in taken(skip)[:skip]}
     half_n, half_skip = (n + 1) // 2, (skip + 1) // 2
-    out = []
-    for kind in ("functions", "docstrings"):
-        fresh = [p["ids"] for p in prompts.prompt_set(kind, tok, half_skip + half_n, split="train", context_tokens=192, **where)
-                 if tuple(p["ids"]) not in used]
-        out += fresh[:half_n]
-    return out[:n]
+    kinds = [[p["ids"] for p in prompts.prompt_set(kind, tok, half_skip + half_n, split="train", context_tokens=192, **where)]
+             for kind in ("functions", "docstrings")]
+    used = {tuple(p) for p in (kinds[0][:half_skip] + kinds[1][:half_skip])[:skip]}  # what `--code skip` took
+    return [p for ids in kinds for p in [q for q in ids if tuple(q) not in used][:half_n]][:n]
 
 
 def chat_prompt_texts(target_dir: str, tok, n: int) -> list[str]:

@@ -387,7 +387,7 @@ def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])
 
 
-def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float, session: str | None = None) -> None:
+def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float, session: str) -> None:
     """Writes this session's steps and seconds to `timing.jsonl`: a line per session that trained (a
     resumed run adds one; a finished run run again, to re-export it, none). `session`: this session's
     key; its line is replaced, so a trainer calls this at every checkpoint and a session killed
@@ -397,10 +397,8 @@ def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float
         return
     f = Path(run_dir) / "timing.jsonl"
     lines = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
-    if session is not None:
-        lines = [t for t in lines if t.get("session") != session]
-    lines.append({"steps": [start, stop], "train_step_s": round(train_s, 1), "wall_s": round(wall_s, 1),
-                  **({"session": session} if session is not None else {})})
+    lines = [t for t in lines if t.get("session") != session]
+    lines.append({"steps": [start, stop], "train_step_s": round(train_s, 1), "wall_s": round(wall_s, 1), "session": session})
     tmp = f.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(t) + "\n" for t in lines))
     tmp.replace(f)
