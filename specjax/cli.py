@@ -40,6 +40,7 @@ from specjax import sampling, sharding, treegraft
 from specjax import tree as tree_lib
 from specjax import widths as widths_lib
 from specjax.adaptive import AdaptiveShape, read_calibration
+from specjax.switch import Switch
 from specjax.chat import check_messages, render_chat
 from specjax.checkpoint_gguf import convert_gguf
 from specjax.compile_cache import enable_compilation_cache
@@ -90,12 +91,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="DIR|ngram|mtp",
                    help="speculative decoding with this drafter: 'ngram' (prompt lookup), 'mtp' (the MTP layers "
                         "shipped in the model's own checkpoint), a feature-, block- or MTP-drafter directory, or "
-                        "a small model directory with the same tokenizer. Give two, cheapest first, with --treegraft")
+                        "a small model directory with the same tokenizer. Give two, cheapest first, with --treegraft or --switch")
     p.add_argument("--treegraft", default=None, metavar="SCHEDULER_DIR|always|never",
                    help="TreeGraft over the two --drafter flags (cheap, then strong): the strong drafter rescores "
                         "and grafts the cheap drafter's tree when the scheduler (a directory written by "
                         "train/distill_scheduler.py) says it pays, on every round (always) or never; "
                         "--tree sets the verify budget")
+    p.add_argument("--switch", type=int, default=None, metavar="MIN_MATCH",
+                   help="Switch over the two --drafter flags (ngram, then a model drafter): each round, n-gram's --tree "
+                        "where its match is an n-gram of at least MIN_MATCH tokens, the model drafter's --switch-tree "
+                        "elsewhere (specjax.switch)")
+    p.add_argument("--switch-tree", default=None, metavar="SPEC",
+                   help="with --switch: the model drafter's tree (default chain=3; it must fit --tree)")
     p.add_argument("--cheap-tree", default=None, metavar="SPEC",
                    help="with --treegraft: the cheap drafter's candidate tree (default: a dynamic tree of about "
                         "twice the verify budget; a chain for ngram)")
@@ -324,11 +331,20 @@ def run_generate(args: argparse.Namespace) -> int:
                                         graft_nodes=args.graft_nodes)]
         except (OSError, ValueError) as e:
             raise UsageError(f"--treegraft {args.treegraft}: {e}") from None
+    elif args.switch is not None:
+        if len(drafters) != 2:
+            raise UsageError(f"--switch combines exactly two --drafter flags (ngram, then a model drafter), got {len(drafters)}")
+        try:
+            drafters = [Switch(*drafters, model_tree=args.switch_tree or "chain=3", min_match=args.switch)]
+        except ValueError as e:
+            raise UsageError(f"--switch: {e}") from None
     elif len(drafters) > 1:
-        raise UsageError("--drafter: several drafters share one tree only under TreeGraft: "
-                         "add --treegraft SCHEDULER_DIR|always|never")
-    elif args.cheap_tree is not None or args.graft_nodes is not None:
+        raise UsageError("--drafter: several drafters share one tree only under TreeGraft or Switch: "
+                         "add --treegraft SCHEDULER_DIR|always|never or --switch MIN_MATCH")
+    if args.treegraft is None and (args.cheap_tree is not None or args.graft_nodes is not None):
         raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
+    if args.switch is None and args.switch_tree is not None:
+        raise UsageError("--switch-tree needs --switch")
     if args.adaptive:
         drafters = [adaptive_drafter(args, drafters, len(sources))]
 
@@ -585,6 +601,10 @@ def spec_stats(result, row: int) -> dict:
             "grafted_proposed": int(st["treegraft_grafted_proposed"][row]),  # grafted nodes verified
             "grafted_accepted_paths": int(st["treegraft_grafted_paths"][row]),  # accepted paths through a graft
             "grafted_accepted_tokens": int(st["treegraft_grafted_tokens"][row])}
+    if "switch_model_rounds" in st:
+        rounds = max(int(st["rounds"][row]), 1)
+        out["switch"] = {"model_rounds": int(st["switch_model_rounds"][row]),  # rounds the model drafter drafted
+                         "model_round_share": round(int(st["switch_model_rounds"][row]) / rounds, 4)}
     return out
 
 

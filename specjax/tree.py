@@ -49,6 +49,22 @@ def chain_tree(root_B, draft_BxD, logq_BxD=None, source: int = 0) -> TreeBuffers
         source=jnp.full((B, N), source, jnp.int8))
 
 
+def pad_nodes(tree: TreeBuffers, num_nodes: int) -> TreeBuffers:
+    """The tree padded with invalid nodes to `num_nodes` (no parent, score -inf)."""
+    pad = num_nodes - tree.num_nodes
+    if pad < 0:
+        raise ValueError(f"a tree of {tree.num_nodes} nodes does not fit {num_nodes}")
+    if pad == 0:
+        return tree
+    B = tree.tokens.shape[0]
+
+    def ext(x, fill):
+        return jnp.concatenate([x, jnp.full((B, pad), fill, x.dtype)], axis=1)
+
+    return TreeBuffers(tokens=ext(tree.tokens, 0), parents=ext(tree.parents, -1), depth=ext(tree.depth, 0),
+                       valid=ext(tree.valid, False), score=ext(tree.score, -jnp.inf), source=ext(tree.source, 0))
+
+
 def ancestor_mask(tree: TreeBuffers, max_depth: int) -> Bool[Array, "B N N"]:
     """mask[b, i, j]: node j is node i or one of its ancestors (both valid)."""
     B, N = tree.parents.shape

@@ -320,26 +320,11 @@ class TreeGraft(Composite):
 
     # -- the protocol (traced)
 
-    def _sub_out(self, target_out, sub):
-        if not self.target_layers:
-            return target_out
-        return dataclasses.replace(target_out, hidden=tuple(
-            target_out.hidden[self.target_layers.index(layer)] for layer in sub.target_layers))
-
-    def _sub_committed(self, committed: Committed, sub) -> Committed:
-        if committed.features is None or not self.target_layers:
-            return committed
-        L = len(self.target_layers)
-        chunks = jnp.split(committed.features, L, axis=-1)
-        feats = (jnp.concatenate([chunks[self.target_layers.index(layer)] for layer in sub.target_layers], axis=-1)
-                 if sub.target_layers else None)
-        return dataclasses.replace(committed, features=feats)
-
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> GraftState:
         B = prompt_BxP.shape[0]
         return GraftState(
-            cheap=self.cheap.init(prompt_BxP, lengths_B, capacity, self._sub_out(target_out, self.cheap)),
-            strong=self.strong.init(prompt_BxP, lengths_B, capacity, self._sub_out(target_out, self.strong)),
+            cheap=self.cheap.init(prompt_BxP, lengths_B, capacity, self.part_out(target_out, self.cheap)),
+            strong=self.strong.init(prompt_BxP, lengths_B, capacity, self.part_out(target_out, self.strong)),
             tau_ema=jnp.ones((B,), jnp.float32), last_accepted=jnp.zeros((B,), jnp.int32),
             counters={c: jnp.zeros((B,), jnp.int32) for c in COUNTERS})
 
@@ -387,8 +372,8 @@ class TreeGraft(Composite):
                         scores=scores)
 
     def commit(self, state: GraftState, committed: Committed) -> GraftState:
-        cheap = self.cheap.commit(state.cheap, self._sub_committed(committed, self.cheap))
-        strong = self.strong.commit(state.strong, self._sub_committed(committed, self.strong))
+        cheap = self.cheap.commit(state.cheap, self.part_committed(committed, self.cheap))
+        strong = self.strong.commit(state.strong, self.part_committed(committed, self.strong))
         active = committed.count > 0
         a = active.astype(jnp.int32)
         d = self.tau_decay

@@ -119,8 +119,8 @@ def generate() -> None:
 
 
 def composite() -> None:
-    """A wrapped block drafter is placed on mesh (2,4) like the bare one (AdaptiveShape, TreeGraft
-    forward `partition_rules`), and FOLD composes through TreeGraft: greedy output on the mesh equals
+    """A wrapped block drafter is placed on mesh (2,4) like the bare one (AdaptiveShape, TreeGraft,
+    Switch forward `partition_rules`), and FOLD composes through TreeGraft: greedy output on the mesh equals
     one device's autoregressive output."""
     import jax
     from flax import nnx
@@ -131,6 +131,7 @@ def composite() -> None:
     from specjax.drafters import BlockConfig, BlockDrafter, BlockHead, LMDrafter, NgramDrafter
     from specjax.fold import FoldConfig
     from specjax.models import family
+    from specjax.switch import Switch
     from specjax.treegraft import TreeGraft
     assert len(jax.devices()) == 8, jax.devices()
     target = tiny_target(160, seed=0)
@@ -152,7 +153,8 @@ def composite() -> None:
         return out
 
     wrapped = {"adaptive": (AdaptiveShape(bare, (1.0,) * len(widths.adaptive_widths(5))), "inner/"),
-               "treegraft": (TreeGraft(NgramDrafter(), bare), "strong/")}
+               "treegraft": (TreeGraft(NgramDrafter(), bare), "strong/"),
+               "switch": (Switch(NgramDrafter(), bare), "model/")}
     ref_layout = layout(bare, "")
     for name, (d, under) in wrapped.items():
         emit(check="composite-layout", wrapper=name, bare=ref_layout, wrapped=layout(d, under))

@@ -119,12 +119,12 @@ def test_sharded_generation_equals_one_device_with_declared_layouts():
 
 
 def test_composites_forward_the_contract_on_a_mesh():
-    """AdaptiveShape and TreeGraft forward their block drafter's `partition_rules`: on mesh (2,4) its
+    """AdaptiveShape, TreeGraft and Switch forward their block drafter's `partition_rules`: on mesh (2,4) its
     parameters are placed as the bare drafter's (the Markov tables over `model`); and FOLD composes
     through TreeGraft (on its strong lm drafter), greedy output on the mesh equal to one device's."""
     recs = _run(["composite"], devices=8)
     layouts = [r for r in recs if r["check"] == "composite-layout"]
-    assert {r["wrapper"] for r in layouts} == {"adaptive", "treegraft"}
+    assert {r["wrapper"] for r in layouts} == {"adaptive", "treegraft", "switch"}
     for r in layouts:
         assert r["wrapped"] == r["bare"], f"{r['wrapper']}: placed unlike the bare drafter"
         assert "model" in r["bare"]["head/markov_embed"], r["bare"]["head/markov_embed"]

@@ -72,6 +72,7 @@ class Method:
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
     boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
+    switch: tuple | None = None  # 'MATCHES|MODEL': (the model drafter's tree, min_match) of `specjax.switch`
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -173,17 +174,30 @@ def extra_methods(names, drafters: dict) -> list[Method]:
     tree spec that `specjax.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
     that drafter greedy on that tree, so any two drafters can be compared at the same shape.
     `CHEAP+STRONG TREE` (e.g. 'ngram+dspark-int8 depth=6,topk=2,nodes=8'): TreeGraft of the two
-    loaded drafters, the strong one invoked every round (policy "always"), TREE the verify budget."""
+    loaded drafters, the strong one invoked every round (policy "always"), TREE the verify budget.
+    `MATCHES|MODEL TREE|MODEL_TREE|MIN_MATCH` (e.g. 'ngram|feature@1024-int8 chain=6|chain=3|3'):
+    `specjax.switch.Switch`, n-gram's TREE where its match is at least MIN_MATCH tokens long (default
+    3), the model drafter's MODEL_TREE (default chain=3) elsewhere."""
     out = []
     for name in names:
         drafter, _, tree = name.partition(" ")
-        if not tree or not all(d in drafters for d in _graft_pair(drafter) or (drafter,)):
+        parts = _graft_pair(drafter) or _switch_pair(drafter) or (drafter,)
+        if not tree or not all(d in drafters for d in parts):
             continue
+        switch = None
+        if _switch_pair(drafter):
+            tree, _, rest = tree.partition("|")
+            model_tree, _, min_match = rest.partition("|")
+            if min_match and not min_match.isdigit():
+                raise ValueError(f"method {name!r}: MIN_MATCH must be an n-gram length, got {min_match!r}")
+            switch = (model_tree or "chain=3", int(min_match or 3))
         try:
             tree_lib.parse_tree_spec(tree)
+            if switch:
+                tree_lib.parse_tree_spec(switch[0])
         except ValueError:
             continue
-        out.append(Method(name, drafter, tree))
+        out.append(Method(name, drafter, tree, switch=switch))
     return out
 
 
@@ -193,13 +207,24 @@ def _graft_pair(name: str) -> tuple[str, str] | None:
     return (cheap, strong) if plus and cheap and strong else None
 
 
+def _switch_pair(name: str) -> tuple[str, str] | None:
+    """'MATCHES|MODEL' -> (MATCHES, MODEL); None otherwise."""
+    matches, bar, model = name.partition("|")
+    return (matches, model) if bar and matches and model else None
+
+
 def method_drafter(target, drafters, m: Method):
     """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut;
-    for 'CHEAP+STRONG', the TreeGraft of the two (policy "always": no scheduler is distilled for them)."""
+    for 'CHEAP+STRONG', the TreeGraft of the two (policy "always": no scheduler is distilled for them);
+    for 'MATCHES|MODEL', their Switch."""
     pair = _graft_pair(m.drafter)
     if pair is not None:
         from specjax import treegraft
         return treegraft.build([drafters[pair[0]], drafters[pair[1]]], "always")
+    pair = _switch_pair(m.drafter)
+    if pair is not None:
+        from specjax.switch import Switch
+        return Switch(drafters[pair[0]], drafters[pair[1]], model_tree=m.switch[0], min_match=m.switch[1])
     d = drafters[m.drafter]
     if m.confidence != "off" or m.costs is not None or m.zero_state or m.boundaries is not None:
         if not isinstance(d, BlockDrafter):
@@ -223,7 +248,7 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
     row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None)}
     if m.drafter is not None and draft_ms is not None:
         mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
-        key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries)
+        key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries, m.switch)
         if key not in draft_ms:
             draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
                                                  mode=mode)
@@ -414,7 +439,9 @@ def table_columns(meta) -> list[Column]:
             Column("tau", _measured("tau", "{:.2f}")),
             Column("per-depth acceptance", _measured("depth_acceptance", "{}"), right=False),
             Column("draft ms / round", _measured("draft_ms", "{:.2f}")),
-            Column("mean verify width", _measured("mean_verify_width", "{:.2f}")),
+            Column("mean verify width", lambda r: None if _measured("mean_verify_width", "")(r) is None else
+                   f"{r['mean_verify_width']:.2f}" + (f" (model rounds {r['model_round_share']:.2f})"
+                                                      if "model_round_share" in r else "")),
             Column("greedy check (exact / near-tie / mismatch)", _check_cell, right=False)]
 
 

@@ -226,7 +226,8 @@ def generation_row(results, times: list[float], speculative: bool) -> dict:
     """A method's row from `time_generation`: tokens/s (tokens / the median pass), seconds, tokens
     and the sequences; a speculative method's tau (1 + accepted per round, bonus included),
     per-depth acceptance, mean verify width, and where the drafter reports them its mean draft
-    length (block drafters) and the adaptive shape's mean depth. Autoregressive: tau 1."""
+    length (block drafters), the adaptive shape's mean depth and the share of a Switch's rounds its
+    model drafter drafted. Autoregressive: tau 1."""
     import numpy as np
     seconds = statistics.median(times)
     tokens = sum(int(x.lengths.sum()) for x in results)
@@ -246,6 +247,8 @@ def generation_row(results, times: list[float], speculative: bool) -> dict:
             row["mean_draft_len"] = sum(int(x.stats["drafted"].sum()) for x in results) / max(rounds, 1)
         if all("adaptive_depth" in x.stats for x in results):
             row["mean_adaptive_depth"] = sum(int(x.stats["adaptive_depth"].sum()) for x in results) / max(rounds, 1)
+        if all("switch_model_rounds" in x.stats for x in results):  # `specjax.switch`: rounds the model drafted
+            row["model_round_share"] = sum(int(x.stats["switch_model_rounds"].sum()) for x in results) / max(rounds, 1)
     row["sequences"] = [s for x in results for s in x.sequences()]
     return row
 

@@ -64,6 +64,7 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import PyTree
 
@@ -284,6 +285,23 @@ class Composite(Drafter):
     def rebuild(self, **parts) -> "Composite":
         """The same composite (same settings) over other parts (e.g. with FOLD on)."""
         raise TypeError(f"{type(self).__name__} does not define rebuild")
+
+    def part_out(self, target_out, part: Drafter):
+        """The target's prefill output as `part` reads it: the hidden states of its own
+        `target_layers` (the engine gathers the union of the parts' layers once)."""
+        if not self.target_layers:
+            return target_out
+        return dataclasses.replace(target_out, hidden=tuple(
+            target_out.hidden[self.target_layers.index(layer)] for layer in part.target_layers))
+
+    def part_committed(self, committed: Committed, part: Drafter) -> Committed:
+        """`committed` as `part` reads it: the features of its own `target_layers` only."""
+        if committed.features is None or not self.target_layers:
+            return committed
+        chunks = jnp.split(committed.features, len(self.target_layers), axis=-1)
+        feats = (jnp.concatenate([chunks[self.target_layers.index(layer)] for layer in part.target_layers], axis=-1)
+                 if part.target_layers else None)
+        return dataclasses.replace(committed, features=feats)
 
     @property
     def vocab_size(self):

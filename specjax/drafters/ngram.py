@@ -71,10 +71,9 @@ class NgramDrafter(Drafter):
         buf = jnp.zeros((B, capacity), jnp.int32).at[:, :P].set(prompt_BxP)
         return History(buf, lengths_B.astype(jnp.int32))
 
-    def lookup(self, ctx_BxC, len_B, depth: int, branches: int = 1):
-        """The `depth` tokens after each of the `branches` best suffix matches (longest n-gram
-        first, then most recent) [B, K, D], continued periodically past the context's end (module
-        docstring), and their validity (False only for a match that does not exist)."""
+    def _best_matches(self, ctx_BxC, len_B, branches: int):
+        """The `branches` best suffix matches (longest n-gram first, then most recent): their rank
+        n * C + end (-1: no match) and end index, each [B, K]."""
         B, C = ctx_BxC.shape
         j_C = jnp.arange(C)
         rank_BxC = jnp.full((B, C), -1, jnp.int32)  # per match end: n * C + end for its longest n
@@ -87,7 +86,14 @@ class NgramDrafter(Drafter):
                 match &= shifted == suffix_Bxn[:, i:i + 1]
             ok = match & (j_C[None] >= n - 1) & (j_C[None] < len_B[:, None] - 1) & (len_B[:, None] >= n)
             rank_BxC = jnp.where(ok, n * C + j_C[None], rank_BxC)
-        rank_BxK, end_BxK = jax.lax.top_k(rank_BxC, branches)
+        return jax.lax.top_k(rank_BxC, branches)
+
+    def lookup(self, ctx_BxC, len_B, depth: int, branches: int = 1):
+        """The `depth` tokens after each of the `branches` best suffix matches (longest n-gram
+        first, then most recent) [B, K, D], continued periodically past the context's end (module
+        docstring), and their validity (False only for a match that does not exist)."""
+        C = ctx_BxC.shape[1]
+        rank_BxK, end_BxK = self._best_matches(ctx_BxC, len_B, branches)
         # a match `period` tokens back continues periodically past the context's end (module
         # docstring); a real match has end <= len - 2, so period >= 1 (the max only guards non-matches)
         period_BxK = jnp.maximum(len_B[:, None] - 1 - end_BxK, 1)
@@ -96,17 +102,28 @@ class NgramDrafter(Drafter):
         toks = jnp.take_along_axis(ctx_BxC[:, None], jnp.clip(idx_BxKxD, 0, C - 1), axis=2)
         return jnp.where(valid, toks, 0), valid
 
+    def match_length(self, hist: History, root_B) -> Int[Array, "B"]:
+        """The n of the best match `propose` drafts from this round (the longest n-gram the context,
+        root included, ends with and that occurred before; 0: none): how far the match can be
+        trusted (`specjax.switch` reads it)."""
+        C = hist.tokens.shape[1]
+        rank_Bx1, _ = self._best_matches(self._context(hist, root_B), hist.length + 1, 1)
+        return jnp.where(rank_Bx1[:, 0] >= 0, rank_Bx1[:, 0] // C, 0)
+
+    @staticmethod
+    def _context(hist: History, root_B):
+        return _write(hist.tokens, root_B[:, None].astype(jnp.int32), hist.length)
+
     def propose(self, hist: History, root_B, ctx: DraftContext) -> Proposal:
         spec = ctx.spec
         N = spec.num_nodes
         D = min(spec.max_depth, N - 1)
         K = min(branches_of(spec), N - 1)
-        ctx_tokens = _write(hist.tokens, root_B[:, None].astype(jnp.int32), hist.length)
-        draft_BxKxD, valid_BxKxD = self.lookup(ctx_tokens, hist.length + 1, D, K)
+        draft_BxKxD, valid_BxKxD = self.lookup(self._context(hist, root_B), hist.length + 1, D, K)
         if K == 1:
             tree = tree_lib.chain_tree(root_B, draft_BxKxD[:, 0])
             tree = dataclasses.replace(tree, valid=tree.valid.at[:, 1:].set(valid_BxKxD[:, 0]))
-            return Proposal(tree=_pad_nodes(tree, N), probs=None, state=hist)
+            return Proposal(tree=tree_lib.pad_nodes(tree, N), probs=None, state=hist)
         return Proposal(tree=trie(root_B, draft_BxKxD, valid_BxKxD, N), probs=None, state=hist)
 
     def commit(self, hist: History, committed: Committed) -> History:
@@ -155,18 +172,5 @@ def trie(root_B, draft_BxKxD, valid_BxKxD, num_nodes: int) -> tree_lib.TreeBuffe
         valid=cat(jnp.ones(B1, bool), kept),
         score=cat(jnp.zeros(B1), jnp.where(kept, -jnp.log1p(k_of.astype(jnp.float32)), -jnp.inf)),
         source=jnp.zeros((B, N), jnp.int8))
-    return _pad_nodes(tree, num_nodes)
+    return tree_lib.pad_nodes(tree, num_nodes)
 
-
-def _pad_nodes(tree: tree_lib.TreeBuffers, N: int) -> tree_lib.TreeBuffers:
-    pad = N - tree.num_nodes
-    if pad == 0:
-        return tree
-    B = tree.tokens.shape[0]
-
-    def ext(x, fill):
-        return jnp.concatenate([x, jnp.full((B, pad), fill, x.dtype)], axis=1)
-
-    return tree_lib.TreeBuffers(tokens=ext(tree.tokens, 0), parents=ext(tree.parents, -1), depth=ext(tree.depth, 0),
-                                valid=ext(tree.valid, False), score=ext(tree.score, -jnp.inf),
-                                source=ext(tree.source, 0))

@@ -1,0 +1,135 @@
+"""Switch (`specjax.switch`): n-gram's chain where its match is long, a model drafter's chain elsewhere.
+
+- greedy output equals autoregressive output with an lm drafter (batch 1 and a ragged batch of 4) and
+  a feature drafter (which reads target layers: the composite hands each part its own); both drafters
+  draft in the same generation; one compiled program per setup (traces counted);
+- a round the model drafter drafts for every row verifies its short tree only (the verify width);
+- bad input is refused with a clear ValueError before anything is traced.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target
+from specjax import engine
+from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, NgramDrafter
+from specjax.switch import Switch
+
+VOCAB = 64
+NEW = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cheap_compiles():
+    """As tests/test_treegraft.py: XLA's optimisation passes dominate tiny models' compiles."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(VOCAB)
+
+
+def _prompts(batch, seed):
+    """Rows that repeat (long n-gram matches) and rows that do not (the model drafter drafts)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate((30, 9, 23, 40)[:batch]):
+        out.append((rng.integers(0, VOCAB, 6).tolist() * 9)[:n] if i % 2 == 0 else rng.integers(0, VOCAB, n).tolist())
+    return out
+
+
+@pytest.mark.parametrize("model,batch", [("lm", 1), ("lm", 4), ("feature", 2)])
+def test_greedy_equals_autoregressive_and_both_drafters_draft(target, model, batch):
+    drafter = noisy_lm_drafter(VOCAB) if model == "lm" else FeatureDrafter(
+        FeatureHead(FeatureConfig.for_target(target.config), nnx.Rngs(4)), target)
+    sw = Switch(NgramDrafter(), drafter, model_tree="chain=2", min_match=2)
+    prompts = _prompts(batch, seed=batch)
+    ref = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=())
+    got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[sw], tree="chain=5")
+    n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), prefix_logits_fn(target, prompts))
+    assert n_exact + n_near == batch
+    st = got.stats
+    assert (st["switch_rounds"] == st["rounds"]).all()
+    if batch == 1:
+        assert 0 < st["switch_model_rounds"].sum() < st["switch_rounds"].sum(), st
+    else:  # the repeating rows draft with n-gram, the others with the model
+        assert (st["switch_model_rounds"][1::2] > 0).all() and (st["switch_model_rounds"] < st["switch_rounds"]).any()
+    # the verified width follows the drafter of the round: 3 nodes (the model's chain) or 6 (n-gram's)
+    assert (st["verified_nodes"] <= 6 * st["rounds"]).all()
+    if batch == 1:
+        model_rounds = int(st["switch_model_rounds"][0])
+        assert int(st["verified_nodes"][0]) == 3 * model_rounds + 6 * (int(st["rounds"][0]) - model_rounds)
+    traces = engine.trace_count()
+    again = specjax.generate(target, _prompts(batch, seed=batch + 10), max_new_tokens=NEW, eos_token_id=(),
+                             drafters=[sw], tree="chain=5")
+    assert engine.trace_count() == traces  # no recompilation for new prompts of the same shapes
+    assert again.sequences()
+
+
+def test_bad_input_is_refused_before_tracing(target):
+    lm = noisy_lm_drafter(VOCAB)
+    traces = engine.trace_count()
+    with pytest.raises(ValueError, match="must draft copied matches"):
+        Switch(lm, lm)
+    with pytest.raises(ValueError, match="must be a model drafter"):
+        Switch(NgramDrafter(), NgramDrafter())
+    with pytest.raises(ValueError, match="min_match"):
+        Switch(NgramDrafter(), lm, min_match=0)
+    sw = Switch(NgramDrafter(), lm, model_tree="chain=4")
+    with pytest.raises(ValueError, match="must fit the verify tree"):
+        specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafters=[sw], tree="chain=3")
+    with pytest.raises(ValueError, match="no q"):
+        specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafters=[sw], tree="chain=5", temperature=1.0,
+                         verify="sampled")
+    assert engine.trace_count() == traces
+
+
+@pytest.fixture(scope="module")
+def model_dir(target, tmp_path_factory):
+    """The target saved with a word-level tokenizer of its tiny vocabulary (as tests/test_treegraft.py's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "def", "add", "(", ")", ":", "a", "b", ",", "return", "+"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path_factory.mktemp("switch_cli"))
+    specjax.save_model(target, path, tokenizer=tok)
+    return path
+
+
+def test_cli_switch(capsys, model_dir):
+    """`--switch MIN_MATCH` over `--drafter ngram --drafter DIR`: the target's own tokens, the switch
+    counters in --json, and clear usage errors."""
+    from specjax.cli import main
+    text = "def add ( a , b ) : return a + b def add ( a , b ) : return"
+    model = specjax.load_model(model_dir)
+    ids = specjax.load_tokenizer(model_dir).encode(text).ids
+    ref = specjax.generate(model, [ids], max_new_tokens=NEW, eos_token_id=()).sequences()[0]
+    base = ["generate", "--model", model_dir, "--prompt", text, "--max-new-tokens", str(NEW), "--ignore-eos",
+            "--drafter", "ngram", "--drafter", model_dir, "--tree", "chain=5", "--json"]
+    assert main(base + ["--switch", "2", "--switch-tree", "chain=2"]) == 0
+    [row] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["tokens"] == ref
+    assert 0 < row["switch"]["model_rounds"] < row["rounds"], row  # both drafters drafted
+
+    def usage_error(argv, message):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+    usage_error(base[:-1], "--switch MIN_MATCH")
+    usage_error(base + ["--switch", "2", "--switch-tree", "chain=6"], "must fit the verify tree")
+    usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", model_dir, "--drafter", "ngram",
+                 "--switch", "2"], "must draft copied matches")
+    usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--switch-tree", "chain=2"],
+                "needs --switch")
