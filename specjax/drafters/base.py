@@ -257,7 +257,7 @@ class Drafter(nnx.Module):
 
 
 class Composite(Drafter):
-    """A drafter built over others (AdaptiveShape over one, TreeGraft over two): `PARTS` names the
+    """A drafter built over others (AdaptiveShape over one, TreeGraft and Switch over two): `PARTS` names the
     attributes holding what it wraps, `rebuild(**parts)` makes the same composite over other parts.
     Everything the contract declares is forwarded from the parts unless the composite overrides it,
     so wrapping a drafter never drops a capability or a hook:
