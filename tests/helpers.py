@@ -6,6 +6,7 @@ differing token is a bug.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -334,3 +335,29 @@ def stdlib_sample(base, want: dict, vocab_size: int = 300):
     tok = train_tokenizer(corpus.iter_texts("train", corpus.read_manifest(manifest), root), vocab_size=vocab_size)
     tok.save(str(base / "tokenizer.json"))
     return root, manifest, base / "tokenizer.json"
+
+
+@contextlib.contextmanager
+def cheap_compiles():
+    """XLA's optimisation passes dominate the compile time of tiny models' many programs: skip them
+    inside the block (results do not depend on it), then restore the setting."""
+    import jax
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", old)
+
+
+def word_model_dir(target, path: str) -> str:
+    """`target` saved in `path` with a word-level tokenizer of a tiny code vocabulary ("def", "add",
+    "(", ... then w0, w1, ...): a model directory the CLI loads, whose programs are the ones the tests
+    compiled for `target` (same configuration and shapes)."""
+    import specjax
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "def", "add", "(", ")", ":", "a", "b", ",", "return", "+"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specjax.save_model(target, path, tokenizer=tok)
+    return path

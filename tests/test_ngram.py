@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import compare_greedy, prefix_logits_fn, tiny_target
+from helpers import cheap_compiles, compare_greedy, prefix_logits_fn, tiny_target
 from specjax import tree as T
 from specjax.drafters import DraftContext, NgramDrafter
 from specjax.drafters.ngram import History
@@ -84,10 +84,8 @@ def test_chain_and_trie_proposals_of_a_loop():
 
 @pytest.fixture(scope="module")
 def target():
-    old = jax.config.read("jax_disable_most_optimizations")  # tiny programs: skip XLA's passes
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield tiny_target(VOCAB)
-    jax.config.update("jax_disable_most_optimizations", old)
+    with cheap_compiles():  # tiny programs: skip XLA's passes
+        yield tiny_target(VOCAB)
 
 
 # loops of periods 3, 5 and 2, of different lengths (a ragged batch); the random target falls into

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import specjax
-from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target
+from helpers import cheap_compiles, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target, word_model_dir
 from specjax import engine
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, NgramDrafter
 from specjax.switch import Switch
@@ -27,11 +26,8 @@ NEW = 16
 
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
-    """As tests/test_treegraft.py: XLA's optimisation passes dominate tiny models' compiles."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    with cheap_compiles():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +92,7 @@ def test_bad_input_is_refused_before_tracing(target):
 
 @pytest.fixture(scope="module")
 def model_dir(target, tmp_path_factory):
-    """The target saved with a word-level tokenizer of its tiny vocabulary (as tests/test_treegraft.py's)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = ["<unk>", "def", "add", "(", ")", ":", "a", "b", ",", "return", "+"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = str(tmp_path_factory.mktemp("switch_cli"))
-    specjax.save_model(target, path, tokenizer=tok)
-    return path
+    return word_model_dir(target, str(tmp_path_factory.mktemp("switch_cli")))
 
 
 def test_cli_switch(capsys, model_dir):

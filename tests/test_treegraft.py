@@ -24,7 +24,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
-from helpers import chi_square, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model, tiny_target
+from helpers import (cheap_compiles, chi_square, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model,
+                     tiny_target, word_model_dir)
 from specjax import engine, scheduler as sched_lib, tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
@@ -40,11 +41,9 @@ NEW = 12
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
     """XLA's optimisation passes dominate these tests' time (tiny models, many programs): skip them
-    here, and restore the setting for the other modules. Results do not depend on it."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    here (`helpers.cheap_compiles`), and restore the setting for the other modules."""
+    with cheap_compiles():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -497,13 +496,7 @@ def test_value_system_and_distillation_end_to_end(target, strong, distilled):
 def model_dir(target, tmp_path_factory):
     """The target saved with a word-level tokenizer of its tiny vocabulary: the CLI's programs are
     the ones the tests above compiled (same configuration and shapes)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = ["<unk>", "def", "add", "(", ")", ":", "a", "b", ",", "return", "+"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = str(tmp_path_factory.mktemp("tg_cli"))
-    specjax.save_model(target, path, tokenizer=tok)
-    return path
+    return word_model_dir(target, str(tmp_path_factory.mktemp("tg_cli")))
 
 
 def test_cli_treegraft(capsys, model_dir, distilled):
