@@ -204,6 +204,7 @@ def test_bench_weights_and_peers_table_smoke(tmp_path):
     meta = {"kind": "functions", "batch": 1, "weights": "float32"}
     rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0, "temperature": 0.0},
             {"method": "ngram chain=6", "tokens_per_s": 15.0, "tau": 2.0, "temperature": 0.0},
+            {"method": "ngram|feature chain=6|chain=3|2", "tokens_per_s": 16.0, "tau": 2.5, "temperature": 0.0},
             {"method": "hf ar", "tokens_per_s": 5.0},
             {"method": "llama.cpp ar (Q4_1 weights)", "unsupported": "exit status -11"}]
     (tmp_path / "b.json").write_text(json.dumps({"meta": meta, "rows": rows}))
@@ -215,6 +216,9 @@ def test_bench_weights_and_peers_table_smoke(tmp_path):
     assert table["our AR (int8)"]["vs_f32_ar"] == 1.2
     assert table["our n-gram (float32): ngram chain=6"]["weight_mb_per_token"] == f32["weight_mb_per_token"] / 2
     assert table["hf ar"]["tau"] == 1.0 and table["llama.cpp ar (Q4_1 weights)"]["unsupported"]
+    # a Switch (n-gram | learned) is its own row, never "our best learned drafter" nor "our n-gram"
+    assert table["our best n-gram + learned composite (float32): ngram|feature chain=6|chain=3|2"]["tau"] == 2.5
+    assert not any(k.startswith("our best learned drafter") for k in table)
 
 
 def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(tmp_path):

@@ -36,6 +36,8 @@ def _kind(method: str) -> str:
     m = method.split()[0].split("@")[0]
     if method.startswith(("hf ", "llama.cpp")):
         return "peer"
+    if "+" in m or "|" in m:  # TreeGraft (CHEAP+STRONG) or Switch (MATCHES|MODEL): two drafters in one
+        return "combined"
     return "ar" if m == "ar" else ("ngram" if m == "ngram" else "learned")
 
 
@@ -57,11 +59,12 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
         greedy = [r for r in run["rows"] if r.get("temperature", 0) == 0 and "tokens_per_s" in r]
         picks = []
         wl = w + (", batch-invariant attention" if m.get("invariant") else "")  # exact speculation at bf16 / int8
-        for kind in ("ar", "learned", "ngram"):
+        for kind in ("ar", "learned", "ngram", "combined"):
             cand = [r for r in greedy if _kind(r["method"]) == kind]
             if cand:
                 best = max(cand, key=lambda r: r["tokens_per_s"])
-                label = {"ar": "our AR", "learned": "our best learned drafter", "ngram": "our n-gram"}[kind]
+                label = {"ar": "our AR", "learned": "our best learned drafter", "ngram": "our n-gram",
+                         "combined": "our best n-gram + learned composite"}[kind]
                 picks.append((f"{label} ({wl}): {best['method']}" if kind != "ar" else f"{label} ({wl})", best, fwd_mb.get(w)))
         if w == "float32":  # the peers ran beside the float32 rows
             for r in run["rows"]:
