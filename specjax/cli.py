@@ -323,6 +323,8 @@ def run_generate(args: argparse.Namespace) -> int:
                                      path_calibration=d.path_calibration, boundaries=args.boundaries)]
         except ValueError as e:
             raise UsageError(f"--boundaries: {e}") from None
+    if args.treegraft is not None and (args.switch is not None or args.switch_tree is not None):
+        raise UsageError("--treegraft and --switch combine the two --drafter flags in different ways: give one")
     if args.treegraft is not None:
         if len(drafters) != 2:
             raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")

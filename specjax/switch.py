@@ -65,8 +65,10 @@ class Switch(Composite):
         if model.reads_own_tree:
             raise ValueError(f"the {model.name!r} drafter (DPara) commits against the tree it proposed itself, which "
                              "Switch skips on the rounds the match drafter drafts: use it on its own")
-        if int(min_match) < 1:
-            raise ValueError(f"min_match must be an n-gram length >= 1, got {min_match}")
+        longest = getattr(matches, "max_ngram", None)
+        if int(min_match) < 1 or (longest is not None and int(min_match) > longest):
+            raise ValueError(f"min_match must be an n-gram length in 1..{longest or 'the longest n-gram'} (the "
+                             f"{matches.name!r} drafter matches no longer n-grams), got {min_match}")
         self.matches = matches
         self.model = model
         self.model_tree = tree_lib.parse_tree_spec(model_tree) if isinstance(model_tree, str) else model_tree
@@ -90,7 +92,10 @@ class Switch(Composite):
         if mspec.num_nodes > spec.num_nodes or mspec.max_depth > spec.max_depth:
             raise ValueError(f"Switch's model tree ({mspec.num_nodes} nodes, depth {mspec.max_depth}) must fit the verify "
                              f"tree ({spec.num_nodes} nodes, depth {spec.max_depth}): give a longer verify chain")
-        return max(self.matches.check_tree(spec, rule), self.model.check_tree(mspec, rule))
+        # the model drafter writes every node it evaluates (a dynamic tree: its whole expansion pool) past
+        # its committed cache, beyond what the verify spec alone would reserve
+        evaluated = mspec.pool_size if isinstance(mspec, tree_lib.DynamicTree) else mspec.num_nodes
+        return max(self.matches.check_tree(spec, rule), self.model.check_tree(mspec, rule), evaluated)
 
     def verify_widths(self, spec) -> tuple[int, ...]:
         """The model tree's widths and the match drafter's: a round the model drafter drafts for every

@@ -16,7 +16,7 @@ from flax import nnx
 
 import specjax
 from helpers import cheap_compiles, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target, word_model_dir
-from specjax import engine
+from specjax import engine, tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, NgramDrafter
 from specjax.switch import Switch
 
@@ -81,6 +81,12 @@ def test_bad_input_is_refused_before_tracing(target):
         Switch(NgramDrafter(), NgramDrafter())
     with pytest.raises(ValueError, match="min_match"):
         Switch(NgramDrafter(), lm, min_match=0)
+    with pytest.raises(ValueError, match="no longer n-grams"):  # n-gram matches at most max_ngram tokens
+        Switch(NgramDrafter(max_ngram=4), lm, min_match=5)
+    # a dynamic model tree writes its whole expansion pool past the committed cache: the engine reserves it
+    dyn = tree_lib.parse_tree_spec("depth=3,topk=4,nodes=6")
+    assert Switch(NgramDrafter(), lm, model_tree=dyn).check_tree(tree_lib.parse_tree_spec("chain=5"), "greedy") \
+        == dyn.pool_size > 6
     sw = Switch(NgramDrafter(), lm, model_tree="chain=4")
     with pytest.raises(ValueError, match="must fit the verify tree"):
         specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafters=[sw], tree="chain=3")
@@ -122,3 +128,4 @@ def test_cli_switch(capsys, model_dir):
                  "--switch", "2"], "must draft copied matches")
     usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--switch-tree", "chain=2"],
                 "needs --switch")
+    usage_error(base + ["--switch", "2", "--treegraft", "always"], "give one")
