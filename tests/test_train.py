@@ -880,3 +880,29 @@ def test_continuations_questions_the_target_writes_itself(zoo, full_run, tmp_pat
     cfg_file.write_text(json.dumps(tcfg))
     with pytest.raises(ValueError, match="closes a user turn with nothing"):
         C.user_turn_prefix(str(chat_dir))
+
+
+def test_a_card_counts_every_stage_a_drafter_was_continued_from(tmp_path):
+    """Three stages (init_from twice): the card's start paragraph sums every earlier stage's positions and
+    Reproduce trains them oldest first, each exporting where the next one starts (no model is built)."""
+    from train import model_card
+
+    def stage(name, tokens, init_from=None):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"name": name, "steps": 1, "batch_size": 1, "seq_len": 1, "ttt_steps": 2, "cache": "runs/cache/c",
+               **({"init_from": str(init_from)} if init_from else {})}
+        (d / "train_info.json").write_text(json.dumps({"run": {"config": cfg}, "tokens_trained": tokens,
+                                                       "run_dir": f"runs/{name}", "final": {"val_agree": [0.5, 0.4]},
+                                                       "timing": {"train_step_s": 60.0}}))
+        return d
+
+    s1 = stage("f-stage1", 1000)
+    s2 = stage("f-stage2", 200, init_from=s1)
+    cfg3 = {"name": "f", "init_from": str(s2)}
+    text = model_card._continued_from(cfg3, {"init_from_sha256": "ab" * 32}, 30)
+    assert "trained 200 positions" in text and f"after 1 earlier stage(s) (`{s1}`: 1,000 positions)" in text
+    assert "saw 1,230 positions in all" in text
+    assert model_card._stage_command(cfg3).splitlines() == [
+        f"python -m train.feature --config configs/f-stage1.json --run-dir runs/f-stage1 --export {s1}",
+        f"python -m train.feature --config configs/f-stage2.json --run-dir runs/f-stage2 --export {s2}"]

@@ -180,33 +180,54 @@ def _stage_info(cfg: dict) -> dict | None:
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
+def _stages(cfg: dict) -> list[tuple[str, dict]]:
+    """(export path, `train_info.json`) of every drafter a run continued from, oldest first: `init_from`
+    followed back through each start's own config while its record is on this machine."""
+    out: list[tuple[str, dict]] = []
+    while cfg.get("init_from") and all(cfg["init_from"] != p for p, _ in out):
+        info = _stage_info(cfg)
+        if info is None:
+            break
+        out.insert(0, (cfg["init_from"], info))
+        cfg = info["run"]["config"]
+    return out
+
+
+def _stage_tokens(info: dict) -> int:
+    c = info["run"]["config"]
+    return info.get("tokens_trained") or c["steps"] * c["batch_size"] * c["seq_len"]
+
+
 def _continued_from(cfg: dict, run: dict, tokens: int) -> str:
-    """A continued run's start (`init_from`): the drafter it started from, its digest, its own budget."""
+    """A continued run's start (`init_from`): the drafter it started from, its digest, the budget of every
+    stage before it."""
     if not cfg.get("init_from"):
         return ""
     digest = (run.get("init_from_sha256") or "")[:12]
-    prev = _stage_info(cfg)
-    if prev is None:
+    stages = _stages(cfg)
+    if not stages:
         return (f"\nContinued from `{cfg['init_from']}` (weights sha256 `{digest}…`; its record is not on this "
                 "machine).\n")
+    prev = stages[-1][1]
     pcfg, timing = prev["run"]["config"], prev.get("timing") or {}
-    before = prev.get("tokens_trained") or pcfg["steps"] * pcfg["batch_size"] * pcfg["seq_len"]
+    before = sum(_stage_tokens(info) for _, info in stages)
     pcache = f" on the cache `{pcfg['cache']}`" if pcfg.get("cache") else ""
+    earlier = "" if len(stages) == 1 else (
+        f" after {len(stages) - 1} earlier stage(s) (" + "; ".join(
+            f"`{path}`: {_stage_tokens(info):,} positions" for path, info in stages[:-1]) + ")")
     return (f"\nContinued from `{cfg['init_from']}` (`init_from`; weights sha256 `{digest}…`, checked when the run "
             f"opened): that drafter's own run (`configs/{pcfg['name']}.json`, `{prev.get('run_dir')}`) trained "
-            f"{before:,} positions{pcache} in {timing.get('train_step_s', 0) / 60:.1f} min of steps first, so these "
-            f"weights saw {before + tokens:,} positions in all. Its validation agreement, steps 1 → {pcfg['ttt_steps']}: "
-            + " / ".join(f"{a:.3f}" for a in prev["final"]["val_agree"]) + ".\n")
+            f"{_stage_tokens(prev):,} positions{pcache} in {timing.get('train_step_s', 0) / 60:.1f} min of steps"
+            f"{earlier or ' first'}, so these weights saw {before + tokens:,} positions in all. Its validation agreement, steps "
+            f"1 → {pcfg['ttt_steps']}: " + " / ".join(f"{a:.3f}" for a in prev["final"]["val_agree"]) + ".\n")
 
 
 def _stage_command(cfg: dict) -> str:
-    """The command that trains the drafter a run continues from (first, in Reproduce)."""
-    prev = _stage_info(cfg)
-    if prev is None:
-        return ""
-    name = prev["run"]["config"]["name"]
-    return (f"python -m train.feature --config configs/{name}.json --run-dir {prev.get('run_dir') or f'runs/{name}'} "
-            f"--export {cfg['init_from']}\n")
+    """The commands that train the drafters a run continues from, oldest first (first, in Reproduce)."""
+    return "".join(
+        f"python -m train.feature --config configs/{info['run']['config']['name']}.json "
+        f"--run-dir {info.get('run_dir') or 'runs/' + info['run']['config']['name']} --export {path}\n"
+        for path, info in _stages(cfg))
 
 
 def _vocab_ceiling(cfg: dict, model_dir: Path | None) -> str:
