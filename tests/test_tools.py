@@ -166,7 +166,8 @@ def test_harness_schema_read_by_report(tmp_path):
     meta = harness.run_meta("bench", ["--smoke", "--methods", "lm chain=4"], setup="zoo: code-target", batch=1,
                             kind="functions")
     rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0, "temperature": 0.0, "speedup": 1.0, "sequences": [[1]]},
-            {"method": "lm chain=4", "tokens_per_s": 15.0, "tau": 3.0, "temperature": 0.0, "speedup": 1.5}]
+            {"method": "lm chain=4", "tokens_per_s": 15.0, "tau": 3.0, "temperature": 0.0, "speedup": 1.5},
+            {"method": "ngram|lm chain=8|chain=4|3", "tokens_per_s": 18.0, "tau": 4.0, "temperature": 0.0, "speedup": 1.8}]
     cols = [harness.Column("method", "method", right=False), harness.Column("tokens/s", "tokens_per_s", "{:.1f}")]
     md = harness.write_outputs(tmp_path / "bench" / "bench_spec_x", meta, rows, cols, title="t", quiet=True)
     data = json.loads(md.with_suffix(".json").read_text())
@@ -182,6 +183,7 @@ def test_harness_schema_read_by_report(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{report.END}\nrest\n")
     assert "| code-target | lm drafter | `lm chain=4` | 3.00 | 1.50x |" in text and meta["date"] in text
+    assert r"| code-target | Switch | `ngram\|lm chain=8\|chain=4\|3` | 4.00 | 1.80x |" in text  # its own row (| escaped)
     assert "bench/headline.png" in text and (tmp_path / "bench" / "headline.png").stat().st_size > 0
     assert "### bench_spec_x.json" in (tmp_path / "doc.md").read_text()
     readme.write_text(text.replace("1.50x", "1.60x"))

@@ -268,7 +268,7 @@ TARGETS = (
     Target("SmolLM2-135M-Instruct", "zoo: smollm2-135m-instruct", ("bench_smollm2_*code_b1.json",)),
 )
 METHODS = ("lm drafter", "n-gram", "feature (EAGLE-style)", "MTP", "DSpark", "DFlash", "DPara", "DDTree", "TreeFlash",
-           "TreeGraft", "AdaptiveSpec")
+           "TreeGraft", "Switch", "AdaptiveSpec")
 
 
 def family(method: str) -> str | None:
@@ -280,6 +280,8 @@ def family(method: str) -> str | None:
         return "DDTree"
     if "treeflash" in rest:
         return "TreeFlash"
+    if "|" in drafter:  # 'MATCHES|MODEL': `specjax.switch.Switch`
+        return "Switch"
     base = drafter.partition("@")[0]
     return {"lm": "lm drafter", "ngram": "n-gram", "feature": "feature (EAGLE-style)", "mtp": "MTP",
             "dspark": "DSpark", "dflash": "DFlash", "dpara": "DPara", "dpara-markov": "DPara"}.get(base)
