@@ -240,6 +240,17 @@ def _feature_cfg(zoo, full_run, **kw):
     return feature.FeatureTrainConfig(**base)
 
 
+def test_two_sessions_of_one_process_in_one_second_keep_their_own_timing_lines(tmp_path):
+    """A stop and its resume in one process, within a second, are two sessions (two lines)."""
+    from train import drafter_run
+    a, b = drafter_run.session_key(), drafter_run.session_key()
+    assert a != b
+    drafter_run.record_session(tmp_path, 0, 5, 1.0, 1.0, a)
+    drafter_run.record_session(tmp_path, 5, 9, 1.0, 1.0, b)
+    drafter_run.record_session(tmp_path, 5, 12, 2.0, 2.0, b)  # b's next checkpoint replaces its line
+    assert [t["steps"] for t in drafter_run.session_timing(tmp_path)["sessions"]] == [[0, 5], [5, 12]]
+
+
 def test_feature_drafter_trains_resumes_and_drafts_losslessly(zoo, full_run):
     import specjax
     from specjax.drafters import FeatureDrafter, load_drafter

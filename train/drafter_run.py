@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -405,8 +406,9 @@ def record_session(run_dir, start: int, stop: int, train_s: float, wall_s: float
 
 
 def session_key() -> str:
-    """A key for this training session's line in `timing.jsonl` (its start time and process)."""
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime())}-{os.getpid()}"
+    """A key for this training session's line in `timing.jsonl`: its start time and process, and a random
+    part, so two sessions one process starts within the same second (a stop and its resume) stay apart."""
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def session_timing(run_dir) -> dict:
