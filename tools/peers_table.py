@@ -2,7 +2,9 @@
 kind and batch; their `hf` / `llama.cpp` rows included) and one `tools.bench_weights` run (weight
 bytes per forward at each dtype, the machine's streaming bandwidth).
 
-Per row: tokens/s, tau, the ratio to our float32 AR of the same setting, the weight bytes read per
+Per row: the CPU its run was measured on, tokens/s, tau, the ratio to the AR of its own run (same
+process, same dtype), the ratio to our float32 AR of the same setting measured on the same CPU (empty
+where none was: the same bench differs by up to 1.5x between CPU models), the weight bytes read per
 generated token, and the memory-bound limit those bytes give at the measured bandwidth, with the
 share of it the row reaches.
 
@@ -51,11 +53,12 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
         if m.get("weights", "float32") == "float32":
             for r in run["rows"]:
                 if r["method"] == "ar":
-                    f32_ar[(m["kind"], m["batch"])] = r["tokens_per_s"]
+                    f32_ar[(m["kind"], m["batch"], m.get("cpu"))] = r["tokens_per_s"]
     out = []
     for run in runs:
         m = run["meta"]
-        w, setting = m.get("weights", "float32"), (m["kind"], m["batch"])
+        w, setting = m.get("weights", "float32"), (m["kind"], m["batch"], m.get("cpu"))
+        own_ar = next((r["tokens_per_s"] for r in run["rows"] if r["method"] == "ar"), None)
         greedy = [r for r in run["rows"] if r.get("temperature", 0) == 0 and "tokens_per_s" in r]
         picks = []
         wl = w + (", batch-invariant attention" if m.get("invariant") else "")  # exact speculation at bf16 / int8
@@ -80,13 +83,22 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
             per_tok = None if (mb is None or tau is None or "unsupported" in r) else mb / (m["batch"] * tau)
             limit = None if (per_tok is None or not bw) else bw * 1e3 / per_tok
             tps = r.get("tokens_per_s")
-            out.append({"prompts": setting[0], "batch": setting[1], "row": label, "tokens_per_s": tps,
+            out.append({"prompts": setting[0], "batch": setting[1], "cpu": setting[2], "row": label, "tokens_per_s": tps,
                         "tau": tau, "vs_f32_ar": None if tps is None or setting not in f32_ar else tps / f32_ar[setting],
+                        "vs_own_ar": None if tps is None or not own_ar else tps / own_ar,
                         "weight_mb_per_token": per_tok, "memory_bound_tokens_per_s": limit,
                         "share_of_limit": None if (limit is None or tps is None) else tps / limit,
                         "check": r.get("check"), "unsupported": r.get("unsupported"),
                         "source": os.path.relpath(run["file"], REPO)})
     return out
+
+
+def _short_cpu(cpu: str | None) -> str:
+    """'Intel(R) Xeon(R) Processor' -> 'Intel Xeon'; 'AMD EPYC ...' -> 'AMD EPYC'."""
+    if not cpu:
+        return "?"
+    words = [w.replace("(R)", "").replace("(TM)", "") for w in cpu.split()]
+    return " ".join(words[:2])
 
 
 def _fmt(key, fmt):
@@ -106,11 +118,12 @@ def main(argv=None) -> int:
     wb = json.loads(Path(args.weights_bench).read_text())
     gguf = os.path.getsize(args.gguf) if args.gguf and Path(args.gguf).is_file() else None
     rows = collect(args.bench, wb, gguf)
-    rows.sort(key=lambda r: (r["prompts"], r["batch"]))
+    rows.sort(key=lambda r: (r["prompts"], r["batch"], r["cpu"] or ""))
     cols = [Column("prompts", lambda r: r["prompts"]), Column("batch", lambda r: str(r["batch"])),
-            Column("row", lambda r: r["row"]),
+            Column("CPU", lambda r: _short_cpu(r["cpu"])), Column("row", lambda r: r["row"]),
             Column("tokens/s", lambda r: r["unsupported"] if r["unsupported"] else f"{r['tokens_per_s']:.1f}"),
-            Column("tau", _fmt("tau", "{:.2f}")), Column("vs our float32 AR", _fmt("vs_f32_ar", "{:.2f}x")),
+            Column("tau", _fmt("tau", "{:.2f}")), Column("vs AR of its run", _fmt("vs_own_ar", "{:.2f}x")),
+            Column("vs our float32 AR (same CPU)", _fmt("vs_f32_ar", "{:.2f}x")),
             Column("weight MB read / token", _fmt("weight_mb_per_token", "{:.1f}")),
             Column("memory-bound limit tok/s", _fmt("memory_bound_tokens_per_s", "{:.0f}")),
             Column("share of the limit", lambda r: None if r["share_of_limit"] is None else f"{100 * r['share_of_limit']:.0f}%"),
@@ -119,12 +132,16 @@ def main(argv=None) -> int:
     meta = run_meta("peers_table", argv, stream_bandwidth_gb_s=wb["meta"].get("stream_bandwidth_gb_s"),
                     sources=sorted({r["source"] for r in rows}), weights_bench=os.path.relpath(args.weights_bench, REPO))
     bw = meta["stream_bandwidth_gb_s"]
-    md = write_outputs(args.out, meta, rows, cols, title="Against the peers: the same prompts on the same CPU",
+    md = write_outputs(args.out, meta, rows, cols, title="Against the peers: the same prompts, each ratio on one CPU",
                        intro=[f"Sources (each with its own command and CPU line): {', '.join(meta['sources'])}; weight bytes "
-                              f"and bandwidth ({'not measured' if bw is None else f'{bw:.1f} GB/s'}): {meta['weights_bench']}.",
+                              f"and bandwidth ({'not measured' if bw is None else f'{bw:.1f} GB/s'}, on {wb['meta'].get('cpu') or 'an unrecorded CPU'}; "
+                              f"the limits of rows run on another CPU use it too): {meta['weights_bench']}.",
                               "Weight MB read / token = the target's weights per forward / (batch x tau); the drafter's own "
                               "reads and the KV cache are left out. Memory-bound limit = bandwidth / that. llama.cpp reads "
-                              "its GGUF's bytes (Q4_1); transformers the float32 weights."])
+                              "its GGUF's bytes (Q4_1); transformers the float32 weights.",
+                              "Ratios compare runs on the same CPU only: 'vs AR of its run' divides by the AR row of the "
+                              "same process; 'vs our float32 AR' by the float32 AR of the same prompts and batch measured "
+                              "on the same CPU model (empty where there is none)."])
     print(md.read_text())
     return 0
 
