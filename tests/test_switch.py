@@ -129,3 +129,26 @@ def test_cli_switch(capsys, model_dir):
     usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--switch-tree", "chain=2"],
                 "needs --switch")
     usage_error(base + ["--switch", "2", "--treegraft", "always"], "give one")
+
+
+def test_composites_forward_each_parts_state_partition(target):
+    """A part's own `state_partition` lays out its field of a Switch's / TreeGraft's state (no tracing)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from specjax import treegraft
+    from specjax.switch import SwitchState
+
+    class Pinned(type(noisy_lm_drafter(VOCAB))):
+        def state_partition(self, state, batch):
+            return {"pinned": P("model")}
+
+    model = noisy_lm_drafter(VOCAB)
+    model.__class__ = Pinned
+    row = jnp.zeros((3,), jnp.int32)
+    sw = Switch(NgramDrafter(), model, model_tree="chain=2", min_match=2)
+    spec = sw.state_partition(SwitchState(matches=(), model={"any": row}, used_model=row, model_rounds=row,
+                                          rounds=row), 3)
+    assert spec.model == {"pinned": P("model")} and spec.used_model == P("data")
+    graft = treegraft.build([NgramDrafter(), model], "always")
+    state = treegraft.GraftState(cheap=(), strong={"any": row}, tau_ema=row, last_accepted=row, counters={})
+    assert graft.state_partition(state, 3).strong == {"pinned": P("model")}

@@ -272,6 +272,11 @@ class Composite(Drafter):
         check_tree        every part's (the scratch they need: the most any asks)
         validate          every part's
         loop_stats        every part's, merged (a name two parts share: prefixed with the attribute)
+        state_partition   every part's, for its field of the composite's state; the composite's own
+                          fields by the default (`sharding.batch_partition`)
+
+    A composite's state is a registered dataclass with one field per part, named as the part's
+    attribute (what `loop_stats` and `state_partition` read).
     """
     PARTS: ClassVar[tuple[str, ...]] = ()
     PRIMARY: ClassVar[str] = ""  # the part whose tree hooks are forwarded (default: the first)
@@ -363,6 +368,11 @@ class Composite(Drafter):
             if p.has_own_weights:
                 p.with_weights(weights)
         return self
+
+    def state_partition(self, state, batch: int):
+        spec = sharding.batch_partition(state, batch)
+        return dataclasses.replace(spec, **{n: p.state_partition(getattr(state, n), batch)
+                                            for n, p in zip(self.PARTS, self.parts())})
 
     def loop_stats(self, state) -> dict:
         out: dict = {}
