@@ -2,7 +2,7 @@
 will be asked to predict at inference is the target's output, not the corpus's.
 
 Two kinds of prompt, both cut from the corpus's *train* split (the bench prompts come from the test
-split and `train/chat_prompts.jsonl`, so nothing here overlaps them):
+split and `bench/prompts/chat.jsonl`, so nothing here overlaps them):
 - code: `train.prompts.prompt_set` cuts (after a `def` line / at a docstring's quotes), greedy
   continuation;
 - chat: one whole train-split function under an instruction (explain it, document it, test it,
