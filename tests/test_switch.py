@@ -131,19 +131,19 @@ def test_cli_switch(capsys, model_dir):
     usage_error(base + ["--switch", "2", "--treegraft", "always"], "give one")
 
 
-def test_composites_forward_each_parts_state_partition(target):
+def test_composites_forward_each_parts_state_partition():
     """A part's own `state_partition` lays out its field of a Switch's / TreeGraft's state (no tracing)."""
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
     from specjax import treegraft
+    from specjax.drafters import LMDrafter
     from specjax.switch import SwitchState
 
-    class Pinned(type(noisy_lm_drafter(VOCAB))):
+    class Pinned(LMDrafter):
         def state_partition(self, state, batch):
             return {"pinned": P("model")}
 
-    model = noisy_lm_drafter(VOCAB)
-    model.__class__ = Pinned
+    model = Pinned(noisy_lm_drafter(VOCAB).model)  # a new drafter: the shared one stays as it is
     row = jnp.zeros((3,), jnp.int32)
     sw = Switch(NgramDrafter(), model, model_tree="chain=2", min_match=2)
     spec = sw.state_partition(SwitchState(matches=(), model={"any": row}, used_model=row, model_rounds=row,

@@ -4,9 +4,9 @@ bytes per forward at each dtype, the machine's streaming bandwidth).
 
 Per row: the CPU its run was measured on, tokens/s, tau, the ratio to the AR of its own run (same
 process, same dtype), the ratio to our float32 AR of the same setting measured on the same CPU (empty
-where none was: the same bench differs by up to 1.5x between CPU models), the weight bytes read per
-generated token, and the memory-bound limit those bytes give at the measured bandwidth, with the
-share of it the row reaches.
+where none was: the same bench differs by 1.5-1.9x between the CPU models of our machines), the weight
+bytes read per generated token, and the memory-bound limit those bytes give at the measured bandwidth,
+with the share of it the row reaches (only for rows run on the CPU the bandwidth was measured on).
 
 Bytes per token = bytes per target forward / (batch x tau). Our rows and transformers' take the
 float32 (or bf16 / int8) bytes from `bench_weights`. llama.cpp takes its GGUF file's size. A drafter's
@@ -46,6 +46,7 @@ def _kind(method: str) -> str:
 def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[dict]:
     fwd_mb = {r["weights"]: r["weight_mb_per_token"] for r in weights_bench["rows"]}
     bw = weights_bench["meta"].get("stream_bandwidth_gb_s")
+    bw_cpu = weights_bench["meta"].get("cpu")
     runs = [json.loads(Path(f).read_text()) | {"file": str(f)} for f in bench_files]
     f32_ar = {}
     for run in runs:
@@ -81,7 +82,8 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
             if r["method"] in ("hf ar",) or r["method"].startswith("llama.cpp ar"):
                 tau = 1.0
             per_tok = None if (mb is None or tau is None or "unsupported" in r) else mb / (m["batch"] * tau)
-            limit = None if (per_tok is None or not bw) else bw * 1e3 / per_tok
+            other_cpu = bool(bw_cpu and m.get("cpu") and m["cpu"] != bw_cpu)  # another machine's bandwidth
+            limit = None if (per_tok is None or not bw or other_cpu) else bw * 1e3 / per_tok
             tps = r.get("tokens_per_s")
             out.append({"prompts": setting[0], "batch": setting[1], "cpu": setting[2], "row": label, "tokens_per_s": tps,
                         "tau": tau, "vs_f32_ar": None if tps is None or setting not in f32_ar else tps / f32_ar[setting],
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     md = write_outputs(args.out, meta, rows, cols, title="Against the peers: the same prompts, each ratio on one CPU",
                        intro=[f"Sources (each with its own command and CPU line): {', '.join(meta['sources'])}; weight bytes "
                               f"and bandwidth ({'not measured' if bw is None else f'{bw:.1f} GB/s'}, on {wb['meta'].get('cpu') or 'an unrecorded CPU'}; "
-                              f"the limits of rows run on another CPU use it too): {meta['weights_bench']}.",
+                              f"rows run on another CPU get no limit): {meta['weights_bench']}.",
                               "Weight MB read / token = the target's weights per forward / (batch x tau); the drafter's own "
                               "reads and the KV cache are left out. Memory-bound limit = bandwidth / that. llama.cpp reads "
                               "its GGUF's bytes (Q4_1); transformers the float32 weights.",
