@@ -60,6 +60,7 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
         m = run["meta"]
         w, setting = m.get("weights", "float32"), (m["kind"], m["batch"], m.get("cpu"))
         own_ar = next((r["tokens_per_s"] for r in run["rows"] if r["method"] == "ar"), None)
+        other_cpu = bool(bw_cpu and m.get("cpu") and m["cpu"] != bw_cpu)  # another machine's bandwidth
         greedy = [r for r in run["rows"] if r.get("temperature", 0) == 0 and "tokens_per_s" in r]
         picks = []
         wl = w + (", batch-invariant attention" if m.get("invariant") else "")  # exact speculation at bf16 / int8
@@ -82,7 +83,6 @@ def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[di
             if r["method"] in ("hf ar",) or r["method"].startswith("llama.cpp ar"):
                 tau = 1.0
             per_tok = None if (mb is None or tau is None or "unsupported" in r) else mb / (m["batch"] * tau)
-            other_cpu = bool(bw_cpu and m.get("cpu") and m["cpu"] != bw_cpu)  # another machine's bandwidth
             limit = None if (per_tok is None or not bw or other_cpu) else bw * 1e3 / per_tok
             tps = r.get("tokens_per_s")
             out.append({"prompts": setting[0], "batch": setting[1], "cpu": setting[2], "row": label, "tokens_per_s": tps,
