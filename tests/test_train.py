@@ -564,19 +564,23 @@ def test_card_rebuilds_every_continuations_command_of_a_cache(tmp_path):
     """A cache whose `--extra` joined two streams: the card's "Built with" gives one
     train.continuations command per stream (with --questions where the stream has them), then the cache's."""
     from train import model_card
-    a, b = tmp_path / "code.npy", tmp_path / "questions.npy"
+    a, b, c = tmp_path / "code.npy", tmp_path / "questions.npy", tmp_path / "questions2.npy"
     base = {"code_prompts": 4, "chat_prompts": 2, "new_tokens": 8, "weights": "int8"}
     a.with_suffix(".json").write_text(json.dumps(base))
     b.with_suffix(".json").write_text(json.dumps({**base, "code_prompts": 0, "chat_prompts": 0, "code_skipped": 4,
                                                   "questions": {"requested": 16, "asked": 12}}))
+    c.with_suffix(".json").write_text(json.dumps({**base, "code_prompts": 0, "chat_prompts": 0,
+                                                  "questions": {"requested": 8, "asked": 8, "first_seed": 101}}))
     m = {"layers": [0, 1], "windows": 3, "weights": "int8",
-         "mix": {"extra": f"{a},{b}", "corpus_tokens": 100, "extra_repeat": 1}}
+         "mix": {"extra": f"{a},{b},{c}", "corpus_tokens": 100, "extra_repeat": 1}}
     cmds = model_card._cache_commands({"target": "t", "cache": "c"}, m).split("` then `")
     assert cmds == [f"python -m train.continuations --target t --out {a} --code 4 --chat 2 --new-tokens 8 --weights int8",
                     f"python -m train.continuations --target t --out {b} --code 0 --chat 0 --new-tokens 8 --skip-code 4 "
                     "--questions 16 --weights int8",
+                    f"python -m train.continuations --target t --out {c} --code 0 --chat 0 --new-tokens 8 "
+                    "--questions 8 --question-seed 101 --weights int8",
                     f"python -m train.target_cache --target t --layers 0,1 --out c --windows 3 --corpus-tokens 100 "
-                    f"--extra {a},{b} --extra-repeat 1 --weights int8"]
+                    f"--extra {a},{b},{c} --extra-repeat 1 --weights int8"]
 
 
 def test_cache_extra_streams_join_in_order(tmp_path):
@@ -882,6 +886,9 @@ def test_continuations_questions_the_target_writes_itself(zoo, full_run, tmp_pat
     summary = C.build(str(chat_dir), tmp_path / "q.npy", 0, 0, new_tokens=8, batch=4, n_questions=3)
     q = summary["questions"]
     assert q["requested"] == 3 and 1 <= q["asked"] <= 3 and q["sampled"] >= 4 and len(set(q["first"])) == q["asked"]
+    assert q["first_seed"] == 1
+    with pytest.raises(ValueError, match="first seed must be >= 1"):
+        C.sample_questions(None, None, str(chat_dir), 3, 4, first_seed=0)
     assert summary["generated_tokens"]["questions"] > 0 and summary["chat_prompts"] == 0
     tok = load_tokenizer(str(chat_dir))
     stream = np.load(tmp_path / "q.npy").tolist()

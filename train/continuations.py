@@ -90,15 +90,18 @@ def cut_turn(ids, end_id: int, min_tokens: int = 3) -> list[int] | None:
 
 
 def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens: int = 96,
-                     temperature: float = 1.0) -> tuple[list[str], int]:
+                     temperature: float = 1.0, first_seed: int = 1) -> tuple[list[str], int]:
     """Up to `n` distinct user questions the target writes itself (Magpie), and how many it sampled:
-    batches of the user-turn prefix at `temperature` (seeds 1, 2, ...) until `n` are kept or 4n drawn."""
+    batches of the user-turn prefix at `temperature` (seeds first_seed, first_seed + 1, ...) until `n`
+    are kept or 4n drawn."""
+    if first_seed < 1:
+        raise ValueError(f"questions: the first seed must be >= 1, got {first_seed}")
     import specjax
     from train.tokenizer import EOT_ID
     before, after = user_turn_prefix(target_dir)
     prefix = [EOT_ID] + tok.encode(before).ids
     end_id = tok.encode(after).ids[0]  # the token that closes the turn (e.g. <|im_end|>)
-    kept, seen, drawn, seed = [], set(), 0, 0
+    kept, seen, drawn, seed = [], set(), 0, first_seed - 1
     while len(kept) < n and drawn < 4 * n:
         seed += 1
         result = specjax.generate(model, [prefix] * batch, max_new_tokens=max_tokens, capacity=max(256, len(prefix) + max_tokens),
@@ -114,7 +117,8 @@ def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens
 
 
 def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int, batch: int, samples: int = 0,
-          temperature: float = 1.0, weights: str = "float32", n_questions: int = 0, skip_code: int = 0) -> dict:
+          temperature: float = 1.0, weights: str = "float32", n_questions: int = 0, skip_code: int = 0,
+          question_seed: int = 1) -> dict:
     """The greedy continuation of every prompt, and `samples` more drawn at `temperature` (our own
     batched `generate`, seeds 1..samples); identical documents kept once. `weights`: the target's
     weight dtype (`load_model(weights=...)`): the outputs of the target as it is deployed, though with
@@ -129,7 +133,8 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     code = code_prompts(tok, n_code, skip_code)
     chat = [[EOT_ID] + tok.encode(t).ids for t in chat_prompt_texts(target_dir, tok, n_chat)] if n_chat else []
     t0 = time.perf_counter()
-    questions, drawn = sample_questions(model, tok, target_dir, n_questions, batch) if n_questions else ([], 0)
+    questions, drawn = (sample_questions(model, tok, target_dir, n_questions, batch, first_seed=question_seed)
+                        if n_questions else ([], 0))
     from specjax.chat import render_chat
     asked = [[EOT_ID] + tok.encode(render_chat(target_dir, [{"role": "user", "content": q}])).ids for q in questions]
     docs, generated, seen, dropped = [], {"code": 0, "chat": 0, "questions": 0}, set(), 0
@@ -152,7 +157,8 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, stream)
     summary = {"target": target_dir, "code_prompts": len(code), "code_skipped": skip_code, "chat_prompts": len(chat),
-               "questions": {"requested": n_questions, "asked": len(questions), "sampled": drawn, "first": questions[:8]},
+               "questions": {"requested": n_questions, "asked": len(questions), "sampled": drawn,
+                             "first_seed": question_seed, "first": questions[:8]},
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
                "samples_per_prompt": samples, "temperature": temperature if samples else None,
@@ -172,6 +178,9 @@ def main(argv=None):
     ap.add_argument("--chat", type=int, default=96, help="chat prompts (train-split functions under an instruction)")
     ap.add_argument("--questions", type=int, default=0,
                     help="chat prompts whose user turn the target writes itself (Magpie), answered greedily")
+    ap.add_argument("--question-seed", type=int, default=1, metavar="S",
+                    help="the questions' first sampling seed (seeds S, S+1, ...): a second stream of new questions "
+                         "starts past the seeds the first one drew (its summary's `sampled` / --batch)")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--samples", type=int, default=0, help="T=--temperature samples per prompt besides the greedy one")
@@ -180,7 +189,8 @@ def main(argv=None):
                     help="the target's weight dtype (as deployed; the ordinary attention, not the batch-invariant one)")
     args = ap.parse_args(argv)
     print(json.dumps(build(args.target, args.out, args.code, args.chat, args.new_tokens, args.batch, args.samples,
-                           args.temperature, args.weights, args.questions, args.skip_code), indent=2))
+                           args.temperature, args.weights, args.questions, args.skip_code, args.question_seed),
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -339,10 +339,12 @@ def _cache_commands(cfg: dict, m: dict) -> str:
             continue
         s = json.loads(summary.read_text())
         questions = (s.get("questions") or {}).get("requested")
+        q_seed = (s.get("questions") or {}).get("first_seed", 1)
         cmds.append(f"python -m train.continuations --target {cfg['target']} --out {extra} --code {s['code_prompts']} "
                     f"--chat {s['chat_prompts']} --new-tokens {s['new_tokens']}"
                     + (f" --skip-code {s['code_skipped']}" if s.get("code_skipped") else "")
                     + (f" --questions {questions}" if questions else "")
+                    + (f" --question-seed {q_seed}" if questions and q_seed != 1 else "")
                     + (f" --samples {s['samples_per_prompt']} --temperature {s['temperature']:g}" if s.get("samples_per_prompt") else "")
                     + (f" --weights {s['weights']}" if s.get("weights", "float32") != "float32" else ""))
     cache = (f"python -m train.target_cache --target {cfg['target']} --layers {','.join(map(str, m['layers']))} "
