@@ -83,8 +83,8 @@ $(SMOLLM2_DIR)/model.safetensors: $(SMOLLM2_GGUF)
 	$(BIN)/python -m specjax convert $< $(SMOLLM2_DIR)
 
 # Retrains the shipped SmolLM2 drafters (the feature drafter's four stages with their data about 4 h on 2 cores,
-# the DSpark block drafter about 50 min; resumable): the target's own continuations of train-split prompts first, then each drafter on
-# them and the corpus.
+# the DSpark block drafter about 50 min; resumable): the target's own continuations of train-split prompts
+# first, then each drafter on them and the corpus.
 smollm2-drafter: smollm2
 	test -f runs/smollm2-continuations.npy || $(BIN)/python -m train.continuations --target $(SMOLLM2_DIR) \
 		--out runs/smollm2-continuations.npy --code 256 --chat 256 --new-tokens 192 --weights int8
