@@ -7,7 +7,7 @@ interpret mode, tests/test_kernels.py).
 Tree attention (design §4, §8) — queries are the T block/tree nodes of each row, keys the row's
 cache slots: the committed prefix [0, length) plus the scratch slots [length, length + S) under a
 block mask (ancestor mask of a tree, causal mask of a prefill block). Its definition is the
-model's own attention, `specjax.attention.attend` over `specjax.kvcache.visible_mask`, of which
+model's own attention, `specjax.models.attention.attend` over `specjax.models.kvcache.visible_mask`, of which
 `_attend` and `_visible_mask` here are copies (this package imports nothing from specjax; the test
 suite checks that the two agree bit for bit).
 
@@ -84,7 +84,7 @@ def _lse_to_BxTxH(lse_BxKxGxT):
 # ----------------------------------------------------------------------------- tree attention
 
 def _visible_mask(lengths_B, capacity: int, block_mask_BxTxS):
-    """`specjax.kvcache.visible_mask`: query t sees slot c iff c < length, or the block mask bit
+    """`specjax.models.kvcache.visible_mask`: query t sees slot c iff c < length, or the block mask bit
     (t, c - length) is set for 0 <= c - length < S. [B, T, C]."""
     B, T, S = block_mask_BxTxS.shape
     rel_BxC = jnp.arange(capacity)[None, :] - lengths_B[:, None]
@@ -96,7 +96,7 @@ def _visible_mask(lengths_B, capacity: int, block_mask_BxTxS):
 
 
 def _attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC):
-    """`specjax.attention.attend`: softmax attention of T queries over C slots (GQA: H = K * G)."""
+    """`specjax.models.attention.attend`: softmax attention of T queries over C slots (GQA: H = K * G)."""
     B, T, H, D = q_BxTxHxD.shape
     K = k_BxCxKxD.shape[2]
     q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
@@ -139,7 +139,7 @@ def tree_attention_reference(q_BxTxHxD, k_cache, v_cache, lengths_B, mask_bits_B
 # ----------------------------------------------------------------------------- far-memory attention
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> jax.Array:
-    """Default RoPE inverse frequencies [D/2], as `specjax.attention.rope_inv_freq` for rope_type default."""
+    """Default RoPE inverse frequencies [D/2], as `specjax.models.attention.rope_inv_freq` for rope_type default."""
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
@@ -153,7 +153,7 @@ def fold_beta(n_far, window, lam):
 
 
 def _rope(x_BxTxHxD, pos_BxT, inv_freq):
-    """x rotated at `pos` (HF rotate_half; `specjax.attention.rotate`)."""
+    """x rotated at `pos` (HF rotate_half; `specjax.models.attention.rotate`)."""
     freqs = pos_BxT[..., None].astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb)[:, :, None, :], jnp.sin(emb)[:, :, None, :]

@@ -1,6 +1,6 @@
 """specjax: speculative decoding of language models in JAX."""
-from specjax.checkpoint import load_model, load_tokenizer, save_model
-from specjax.compile_cache import disable_compilation_cache, enable_compilation_cache
+from specjax.io.checkpoint import load_model, load_tokenizer, save_model
+from specjax.io.compile_cache import disable_compilation_cache, enable_compilation_cache
 from specjax.engine import GenerationResult, generate
 from specjax.models.config import HybridConfig, ModelConfig
 from specjax.models.hybrid import HybridModel

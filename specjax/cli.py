@@ -13,7 +13,7 @@ measured around one `specjax.generate` call:
   compile_s     time JAX spent tracing, lowering and compiling: the union of the time spans of
                 JAX's own compile events (`jax.monitoring`) during the first call;
   cache_hits    programs of that call loaded from the persistent compilation cache (on by
-                default: `--compile-cache DIR`, `--no-compile-cache`; `specjax.compile_cache`);
+                default: `--compile-cache DIR`, `--no-compile-cache`; `specjax.io.compile_cache`);
   ms_per_token  (wall_s - the timed call's compile time) / decoding steps, where steps = the
                 longest row's generated tokens (one step yields one token per row; prefill
                 is included).
@@ -35,20 +35,22 @@ from typing import Sequence
 from jax import monitoring
 
 import specjax
-from specjax import profile as profile_lib
-from specjax import sampling, sharding, treegraft
-from specjax import tree as tree_lib
-from specjax import widths as widths_lib
-from specjax.adaptive import AdaptiveShape, read_calibration
-from specjax.switch import Switch
-from specjax.chat import check_messages, render_chat
-from specjax.checkpoint_gguf import convert_gguf
-from specjax.compile_cache import enable_compilation_cache
+from specjax.spec import profile as profile_lib
+from specjax.spec import sampling
+from specjax.models import sharding
+from specjax.drafters.composite import treegraft
+from specjax.spec import tree as tree_lib
+from specjax.spec import widths as widths_lib
+from specjax.drafters.composite.adaptive import AdaptiveShape, read_calibration
+from specjax.drafters.composite.switch import Switch
+from specjax.io.chat import check_messages, render_chat
+from specjax.io.gguf import convert_gguf
+from specjax.io.compile_cache import enable_compilation_cache
 from specjax.drafters import BlockDrafter, block, load_drafter
 from specjax.drafters.block import parse_confidence
-from specjax.fold import FoldConfig
-from specjax.profile import default_profile_name
-from specjax.widths import adaptive_widths, tree_widths
+from specjax.models.fold import FoldConfig
+from specjax.spec.profile import default_profile_name
+from specjax.spec.widths import adaptive_widths, tree_widths
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -100,7 +102,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch", type=int, default=None, metavar="MIN_MATCH",
                    help="Switch over the two --drafter flags (ngram, then a model drafter): each round, n-gram's --tree "
                         "where its match is an n-gram of at least MIN_MATCH tokens, the model drafter's --switch-tree "
-                        "elsewhere (specjax.switch)")
+                        "elsewhere (specjax.drafters.composite.switch)")
     p.add_argument("--switch-tree", default=None, metavar="SPEC",
                    help="with --switch: the model drafter's tree (default chain=3; it must fit --tree)")
     p.add_argument("--cheap-tree", default=None, metavar="SPEC",
@@ -112,7 +114,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="FOLD long-context attention for the lm / feature drafter(s) (training-free): sinks and the "
                         "last W keys keep their positions, far keys share one, far logits are sharpened by "
                         "max(1, 1 + lambda ln(n_far / W)); keys: sinks, window, far, lambda, beta (log-ratio|log-log), "
-                        "positions (on|off), chunk, impl. 'default' = sinks=4,window=256,lambda=0.5 (specjax.fold)")
+                        "positions (on|off), chunk, impl. 'default' = sinks=4,window=256,lambda=0.5 (specjax.models.fold)")
     p.add_argument("--tree", default=None, metavar="SPEC",
                    help="draft tree: 'chain=D', dynamic 'depth=D,topk=K,nodes=N', a JSON path list "
                         "'[[0],[1],[0,0]]' (default chain=4), or a block drafter's best-first tree "
@@ -169,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=run_generate, subparser=gen)
     conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model directory",
                           description="Dequantize a GGUF checkpoint (llama / qwen2 / qwen3) into config.json, "
-                                      "model.safetensors, tokenizer.json and tokenizer_config.json (specjax.checkpoint_gguf).")
+                                      "model.safetensors, tokenizer.json and tokenizer_config.json (specjax.io.gguf).")
     conv.add_argument("gguf", metavar="FILE.gguf")
     conv.add_argument("out_dir", metavar="OUT_DIR")
     conv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -427,7 +429,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def chat_prompts(args: argparse.Namespace, sources) -> list[str]:
     """The prompt texts: chats ("messages" rows, or every prompt under --chat) rendered with the model's
-    chat template (specjax.chat), plain prompts as given."""
+    chat template (specjax.io.chat), plain prompts as given."""
     out = []
     for where, src in sources:
         if isinstance(src, str) and not args.chat:
@@ -457,7 +459,7 @@ def compile_cache(args: argparse.Namespace):
 
 
 def fold_config(args: argparse.Namespace):
-    """The `--fold` flag as a `specjax.fold.FoldConfig` (None without it)."""
+    """The `--fold` flag as a `specjax.models.fold.FoldConfig` (None without it)."""
     if args.fold is None:
         return None
     if not args.drafter:
@@ -543,7 +545,7 @@ def _parse_conf(conf: str):
 
 def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
     """--adaptive: the one drafter wrapped in `AdaptiveShape`, its costs from --verify-profile at the
-    widths of the resolved --tree (`specjax.widths.adaptive_widths`), with the drafter directory's
+    widths of the resolved --tree (`specjax.spec.widths.adaptive_widths`), with the drafter directory's
     `adaptive_calibration.json` when it has one."""
     if len(drafters) != 1:
         raise UsageError("--adaptive shapes one drafter's tree: pass exactly one --drafter")

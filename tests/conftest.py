@@ -69,7 +69,7 @@ else:
 
 
 def _use_suite_cache():
-    from specjax.compile_cache import enable_compilation_cache
+    from specjax.io.compile_cache import enable_compilation_cache
     enable_compilation_cache(os.environ[_SUITE_CACHE_ENV], max_bytes=-1)
 
 

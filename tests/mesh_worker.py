@@ -67,7 +67,8 @@ def generate() -> None:
     import jax
     from flax import nnx
 
-    from specjax import engine, sharding
+    from specjax.engine import loop as engine
+    from specjax.models import sharding
     from specjax.models import family
     assert len(jax.devices()) == 8, jax.devices()
     for tname, (target, drafters) in _targets().items():
@@ -126,13 +127,15 @@ def composite() -> None:
     from flax import nnx
 
     from helpers import noisy_copy, tiny_target
-    from specjax import engine, sharding, widths
-    from specjax.adaptive import AdaptiveShape
+    from specjax.engine import loop as engine
+    from specjax.models import sharding
+    from specjax.spec import widths
+    from specjax.drafters.composite.adaptive import AdaptiveShape
     from specjax.drafters import BlockConfig, BlockDrafter, BlockHead, LMDrafter, NgramDrafter
-    from specjax.fold import FoldConfig
+    from specjax.models.fold import FoldConfig
     from specjax.models import family
-    from specjax.switch import Switch
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.switch import Switch
+    from specjax.drafters.composite.treegraft import TreeGraft
     assert len(jax.devices()) == 8, jax.devices()
     target = tiny_target(160, seed=0)
     prompts = _prompts(target.config.vocab_size)
@@ -167,11 +170,11 @@ def composite() -> None:
 
 
 def distributed() -> None:
-    from specjax import sharding
+    from specjax.models import sharding
     assert sharding.initialize_distributed()
     import jax
 
-    from specjax import engine
+    from specjax.engine import loop as engine
     target, drafters = _targets()["dense"]
     prompts = _prompts(target.config.vocab_size)
     mesh = sharding.make_mesh(2, 4)  # over both processes' devices
@@ -188,7 +191,7 @@ def train(config_path: str, run_dir: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax import sharding
+    from specjax.models import sharding
     from train import lm
     assert len(jax.devices()) == 8
     cfg = lm.load_config(config_path)

@@ -1,6 +1,6 @@
 """AdaptiveSpec (issue 21): the adaptive tree shape (lossless) and margin verification (lossy).
 
-- the adaptive shape (`specjax.adaptive.AdaptiveShape`) around an lm, a feature and a block drafter,
+- the adaptive shape (`specjax.drafters.composite.adaptive.AdaptiveShape`) around an lm, a feature and a block drafter,
   on chains (drafting cut early), path lists and dynamic trees: greedy output equals
   autoregressive output, batch 1 and 4 ragged, one trace per configuration, and a steep cost table
   verifies fewer nodes;
@@ -27,11 +27,13 @@ from flax import nnx
 import specjax
 from helpers import (assert_first_two_follow, chi_square, next_logits, noisy_copy, noisy_lm_drafter, prefilled_state,
                      spread_target, tiny_target)
-from specjax import adaptive as A, engine, tree as T, verify as V, widths as W
+from specjax.drafters.composite import adaptive as A
+from specjax.engine import loop as engine
+from specjax.spec import tree as T, verify as V, widths as W
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.drafters.base import Committed, DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 VOCAB = 64
 ROWS = 100_000

@@ -25,15 +25,16 @@ from flax import nnx
 import specjax
 from helpers import (assert_first_two_follow, chi_square, full_features, next_logits, prefilled_state, spread_target,
                      tiny_hybrid, tiny_target, trained_dspark)
-from specjax import engine, verify as V
+from specjax.engine import loop as engine
+from specjax.spec import verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, load_block_head, save_block_head, train_logits
-from specjax.widths import fill_to_width, schedule_keep
+from specjax.spec.widths import fill_to_width, schedule_keep
 from train.calibration import calibrate_temperatures, ece
 from specjax.models import family, transformer
-from specjax.sampling import SamplingParams
-from specjax.tree import parse_tree_spec
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import parse_tree_spec
 
 VOCAB = 64
 W = 4
@@ -177,7 +178,7 @@ def test_treegraft_with_the_block_drafter_as_the_strong_one(dense):
     """TreeGraft(n-gram, DSpark): the block drafter rescores and grafts the n-gram trie (its exact
     one-pass `score`); greedy output stays the target's."""
     from specjax.drafters import NgramDrafter
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.treegraft import TreeGraft
     target, head, data = dense
     prompts = _ragged(data, 2)
     tg = TreeGraft(NgramDrafter(), BlockDrafter(head, target), policy="always")
@@ -191,7 +192,7 @@ def test_trees_from_one_pass(dense):
     node): greedy output is the target's; the q of every node is what `score` gives for that node;
     and DSpark can be TreeGraft's cheap drafter (its dynamic candidate tree, an lm drafter grafting)."""
     from specjax.drafters import LMDrafter
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.treegraft import TreeGraft
     target, head, data = dense
     prompts = _ragged(data, 2)
     ref = specjax.generate(target, prompts, max_new_tokens=16).sequences()
@@ -345,7 +346,7 @@ def test_draft_weights_store_the_drafters_own_network_narrower(dense, tmp_path):
     """`load_drafter(..., draft_weights=)` (`--draft-weights`): the head's projections change dtype, the
     target it borrows from does not, the int8 head still drafts well (float32: tau 1.8 here; reading the
     activation dtype off an int8 projection gave 1.0), and the output is the target's."""
-    from specjax.adaptive import AdaptiveShape
+    from specjax.drafters.composite.adaptive import AdaptiveShape
     target, head, data = dense
     save_block_head(head, str(tmp_path / "blk"))
     for w in ("bfloat16", "int8"):

@@ -106,7 +106,7 @@ def test_sharded_save_loads_back(qwen3, tmp_path):
     # the weights' digest names the tensors, not the sharding (a resumed drafter run keys on it)
     single = str(tmp_path / "single")
     specjax.save_model(qwen3.jx, single)
-    assert specjax.checkpoint.weights_sha256(out) == specjax.checkpoint.weights_sha256(single)
+    assert specjax.io.checkpoint.weights_sha256(out) == specjax.io.checkpoint.weights_sha256(single)
 
 
 def test_bf16_export(qwen3, tmp_path):

@@ -244,7 +244,7 @@ def test_compilation_cache_second_process_hits(model_dir, tmp_path):
 
 
 def test_compile_cache_folder_and_env(tmp_path, monkeypatch):
-    from specjax import compile_cache as cc
+    from specjax.io import compile_cache as cc
     monkeypatch.setenv(cc.ENV, "off")
     assert cc.default_dir() is None and cc.enable_compilation_cache() is None
     monkeypatch.setenv(cc.ENV, str(tmp_path / "c"))

@@ -9,7 +9,7 @@ import pytest
 
 import specjax
 from helpers import tiny_target
-from specjax import engine
+from specjax.engine import loop as engine
 from specjax.drafters import REGISTRY, drafter_kind, load_drafter
 from specjax.drafters.base import Committed, DraftContext
 
@@ -77,7 +77,7 @@ def test_engine_verifies_a_well_formed_tree_whatever_is_proposed():
     """Losslessness does not rest on a drafter's tree bookkeeping: a proposal with its root marked
     invalid, another token at the root, an orphan and a wrong depth still gives the AR output
     (before `tree.well_formed`, an invalid root dropped its own key and emitted a wrong bonus token)."""
-    from specjax import tree as tree_lib
+    from specjax.spec import tree as tree_lib
     from specjax.drafters import NgramDrafter
 
     class Careless(NgramDrafter):

@@ -98,7 +98,7 @@ def test_greedy_equals_autoregressive(trained):
 
 
 def test_one_trace_per_configuration(trained):
-    from specjax import engine
+    from specjax.engine import loop as engine
     target, head, data = trained
     d = BlockDrafter(head, target)
     before = engine.trace_count()
@@ -108,8 +108,8 @@ def test_one_trace_per_configuration(trained):
 
 
 def test_refusals(trained):
-    from specjax.adaptive import AdaptiveShape
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.adaptive import AdaptiveShape
+    from specjax.drafters.composite.treegraft import TreeGraft
     target, head, _ = trained
     d = BlockDrafter(head, target)
     dspark = BlockDrafter(BlockHead(dataclasses.replace(head.config, boundary=False, ar_intermediate=0), nnx.Rngs(0)),

@@ -9,8 +9,8 @@ from helpers import tiny_target
 from specjax.drafters import feature as F
 from specjax.drafters.base import Committed, DraftContext
 from specjax.models import transformer
-from specjax.sampling import SamplingParams
-from specjax.tree import parse_tree_spec
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import parse_tree_spec
 
 VOCAB = 96
 

@@ -1,4 +1,4 @@
-"""FOLD (design §7, specjax.fold): the drafter-side long-context attention policy.
+"""FOLD (design §7, specjax.models.fold): the drafter-side long-context attention policy.
 
 - without far keys FOLD is the plain drafter (draft distributions and generated tokens);
 - FOLD attention equals `far_attention_reference` on hand-built cases (a causal commit block, a tree
@@ -25,14 +25,16 @@ from flax import nnx
 import specjax
 from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target
 from pallas_kernels import reference as ref
-from specjax import engine, fold, kvcache, tree as tree_lib
+from specjax.engine import loop as engine
+from specjax.models import fold, kvcache
+from specjax.spec import tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter, load_drafter
 from specjax.drafters.base import DraftContext
 from specjax.drafters import feature as feature_lib
-from specjax.fold import FoldConfig
+from specjax.models.fold import FoldConfig
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 48

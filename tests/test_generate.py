@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specjax
-from specjax import engine
+from specjax.engine import loop as engine
 
 from conftest import VOCAB
 from helpers import NearTieWarning, compare_greedy

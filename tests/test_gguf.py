@@ -1,4 +1,4 @@
-"""GGUF input (specjax.checkpoint_gguf): a small Llama GGUF written here with the `gguf` package's
+"""GGUF input (specjax.io.gguf): a small Llama GGUF written here with the `gguf` package's
 writer (random weights, quantized as llama.cpp would: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F16/BF16/F32, q and k
 rows permuted) loads to the same logits as transformers' GGUF loader; its tokenizer encodes the
 test split as transformers' GGUF tokenizer does; `specjax convert` writes a directory that both
@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 import specjax
-from specjax.checkpoint import load_tokenizer
-from specjax.checkpoint_gguf import read_gguf
+from specjax.io.checkpoint import load_tokenizer
+from specjax.io.gguf import read_gguf
 from specjax.models import transformer
 from train import corpus
 
@@ -133,7 +133,7 @@ def test_logits_match_transformers_gguf_loader(tiny_gguf, tmp_path):
     with torch.no_grad():
         assert np.max(np.abs(hf_dir(torch.as_tensor(ids)).logits.numpy() - ref)) <= 1e-4
     # the chat template travels in tokenizer_config.json and renders as transformers renders it
-    from specjax.chat import render_chat
+    from specjax.io.chat import render_chat
     msgs = [{"role": "user", "content": "Reverse a list in Python."}]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
     assert render_chat(str(out), msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -153,7 +153,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tiny_gguf):
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
-    from specjax.checkpoint_gguf import _unpermute
+    from specjax.io.gguf import _unpermute
     w = np.arange(6 * 16 * 5, dtype=np.float32).reshape(6 * 16, 5)
     np.testing.assert_array_equal(_unpermute(_permute(w, 6), 6), w)
 
@@ -172,6 +172,6 @@ def test_clear_errors(tmp_path, tiny_gguf):
         specjax.load_model(str(tmp_path / "junk.gguf"))
     with pytest.raises(FileNotFoundError):
         specjax.load_model(str(tmp_path / "missing.gguf"))
-    from specjax.chat import render_chat
+    from specjax.io.chat import render_chat
     with pytest.raises(ValueError, match="no chat template"):
         render_chat(str(REPO / "models" / "code-target"), [{"role": "user", "content": "hi"}])

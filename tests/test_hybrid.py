@@ -25,7 +25,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from specjax import engine, tree as tree_lib
+from specjax.engine import loop as engine
+from specjax.spec import tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HybridConfig, ModelConfig
@@ -467,7 +468,7 @@ def test_hybrid_lm_drafter(target):
     def q_both(state, toks, lens):
         d = nnx.merge(graphdef, state)
         cache = d.init(toks, lens, 64, None)
-        ctx = engine.DraftContext(spec, "sample", specjax.sampling.SamplingParams.make(1.0, 0, 1.0), jax.random.key(0))
+        ctx = engine.DraftContext(spec, "sample", specjax.spec.sampling.SamplingParams.make(1.0, 0, 1.0), jax.random.key(0))
         prop = d.propose(cache, toks[:, 0], ctx)
         inner = (prop.tree.depth < spec.max_depth)[..., None]  # the nodes drafting evaluated (not the leaves)
         return (jnp.where(inner, jnp.log(prop.probs), 0.0), jnp.where(inner, d.score(cache, prop.tree, spec.max_depth), 0.0),

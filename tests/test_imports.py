@@ -4,7 +4,9 @@
   imports inside functions too (an import moved into a function still ties the modules together);
 - `pallas_kernels` imports nothing from specjax; `specjax` imports nothing from train / tools / tests;
   `train` nothing from tools / tests;
-- imports inside functions in `specjax/` only for optional dependencies (ALLOWED_LAZY).
+- imports inside functions in `specjax/` only for optional dependencies (ALLOWED_LAZY);
+- `specjax/`'s folders are layers (LAYERS, lowest first): a module imports from its own layer or
+  lower ones only; the top level holds only the package face, the CLI and `typing`.
 
 Run `python -m tests.test_imports` for the graph's cycles and lazy imports in words.
 """
@@ -19,6 +21,9 @@ PACKAGES = ("specjax", "pallas_kernels", "train", "tools")
 # imported where they are used.
 ALLOWED_LAZY = ("torch", "transformers", "matplotlib", "jax_triton", "llama_cpp", "gguf", "jinja2",
                 "jax.experimental.pallas.triton", "jax.experimental.pallas", "orbax", "optax", "tokenizers")
+# specjax's layers, lowest first: a module may import from its own layer and those before it.
+LAYERS = ("typing", "spec", "models", "io", "drafters", "engine", "__init__", "cli", "__main__")
+TOP_LEVEL = {"specjax", "specjax.__main__", "specjax.cli", "specjax.typing"}  # the only flat modules
 
 
 def module_name(path: str) -> str:
@@ -146,9 +151,45 @@ def test_function_level_imports_only_for_optional_dependencies():
     assert not bad, "imports inside functions (move them to the top, or name the optional dependency):\n" + "\n".join(bad)
 
 
+def layer(mod: str) -> str:
+    """`specjax.<folder or top-level module>` for specjax, the top package otherwise."""
+    parts = mod.split(".")
+    return parts[1] if parts[0] == "specjax" and len(parts) > 1 else ("__init__" if mod == "specjax" else parts[0])
+
+
+def layer_edges(graph) -> dict[tuple[str, str], int]:
+    """{(importing layer, imported layer): number of imports} between specjax's layers."""
+    out = {}
+    for mod, edges in graph.items():
+        if mod.split(".")[0] != "specjax":
+            continue
+        for target, _, _ in edges:
+            a, b = layer(mod), layer(target)
+            if a != b:
+                out[(a, b)] = out.get((a, b), 0) + 1
+    return out
+
+
+def test_specjax_folders_are_layers():
+    mods = modules()
+    flat = sorted(m for m, p in mods.items() if m.startswith("specjax") and m.count(".") <= 1
+                  and not p.endswith("__init__.py") and m not in TOP_LEVEL)
+    assert not flat, f"flat modules in specjax/ (put each in the folder of its layer): {flat}"
+    unknown = sorted({layer(m) for m in mods if m.startswith("specjax.")} - set(LAYERS))
+    assert not unknown, f"specjax folders missing from LAYERS: {unknown}"
+    graph, _ = imports(mods)
+    rank = {n: i for i, n in enumerate(LAYERS)}
+    bad = [f"{mod}:{line} imports {target}" for mod, edges in graph.items() if mod.split(".")[0] == "specjax"
+           for target, line, _ in edges if target.split(".")[0] == "specjax" and rank[layer(target)] > rank[layer(mod)]]
+    assert not bad, "upward imports between specjax's layers:\n" + "\n".join(bad)
+
+
 if __name__ == "__main__":
     g, lazy = imports(modules())
     print("cycles:", cycles(_package_parents(g)))
+    print("imports between specjax's layers (lowest first:", " < ".join(LAYERS) + "):")
+    for (a, b), n in sorted(layer_edges(g).items(), key=lambda kv: (LAYERS.index(kv[0][0]) if kv[0][0] in LAYERS else 99, kv[0][1])):
+        print(f"  {a:>9} -> {b:<14} {n:3d}")
     for m, e in sorted(g.items()):
         for t, ln, inside in e:
             if inside and m.startswith("specjax"):

@@ -36,8 +36,8 @@ from transformers import LlamaConfig, Qwen3Config
 import specjax
 from dflash.model import DFlashDraftModel as ZLab
 from helpers import full_features
-from specjax import kvcache
-from specjax.checkpoint import save_model
+from specjax.models import kvcache
+from specjax.io.checkpoint import save_model
 from specjax.drafters import BlockDrafter, FeatureDrafter, MTPDrafter, drafter_kind, load_drafter
 from specjax.drafters import mtp as mtp_lib
 from specjax.drafters.block import BlockConfig, BlockHead, save_block_head, train_logits

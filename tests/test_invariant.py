@@ -1,4 +1,4 @@
-"""Batch-invariant numerics (`specjax.invariant`): a query's result has the same bits decoded alone
+"""Batch-invariant numerics (`specjax.models.invariant`): a query's result has the same bits decoded alone
 or verified in any block or tree. What makes greedy speculative decoding at bfloat16 / int8 weights
 equal its own AR loop token for token (design §17)."""
 import jax
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from helpers import tiny_target
-from specjax import attention as attention_lib, invariant
+from specjax.models import attention as attention_lib, invariant
 from specjax.models import family, quant, transformer
 
 VOCAB = 48

@@ -16,7 +16,7 @@ from flax import nnx
 from hypothesis import event, given, settings, strategies as st
 
 from pallas_kernels import ops, reference
-from specjax import tree as tree_lib
+from specjax.spec import tree as tree_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
@@ -402,7 +402,7 @@ def test_set_attention_impl():
     with pytest.raises(ValueError, match="unknown attention impl"):
         ops.tree_attention(None, None, None, None, None, impl="cuda")
     assert transformer.set_attention_impl(model, "interpret") is model
-    from specjax import attention
+    from specjax.models import attention
     assert transformer.model_attention(model) == attention.KernelAttention("interpret")  # one mechanism
     jaxpr = str(jax.make_jaxpr(lambda t: transformer.prefill(model, t, jnp.array([3]),
                                                              transformer.init_cache(model, 1, 8)).logits)(

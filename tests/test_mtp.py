@@ -25,14 +25,15 @@ from flax import nnx
 
 import specjax
 from helpers import first_two_chi_squares, spread_target, tiny_hybrid, tiny_hybrid_config, tiny_target
-from specjax import engine, verify as V
-from specjax.checkpoint import load_model, mtp_tensor_names, read_mtp_tensors, save_model, weights_sha256
+from specjax.engine import loop as engine
+from specjax.spec import verify as V
+from specjax.io.checkpoint import load_model, mtp_tensor_names, read_mtp_tensors, save_model, weights_sha256
 from specjax.drafters import load_drafter
 from specjax.drafters import mtp as M
 from specjax.drafters.base import DraftContext
 from specjax.models import family
-from specjax.sampling import SamplingParams
-from specjax.tree import parse_tree_spec
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import parse_tree_spec
 
 VOCAB = 64
 HYBRID = tiny_hybrid_config(VOCAB)  # 3 layers: linear, full, linear attention
@@ -297,7 +298,7 @@ def test_own_directory_round_trip_and_refusals(tmp_path):
     save_model(target, str(bare))
     with pytest.raises(ValueError, match="no MTP layers"):
         load_drafter("mtp", target, target_path=str(bare))
-    from specjax import fold
+    from specjax.models import fold
     with pytest.raises(ValueError, match="FOLD"):
         load_drafter(str(own), target, fold=fold.FoldConfig())
     with pytest.raises(ValueError, match="model family"):
@@ -309,7 +310,7 @@ def test_own_directory_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="unexpected"):
         M.head_from_tensors({**stored, "mtp.extra.weight": np.zeros(3)}, target.config, "x")
     with pytest.raises(ValueError, match="MTP tensors"):
-        from specjax.checkpoint import write_mtp_tensors
+        from specjax.io.checkpoint import write_mtp_tensors
         write_mtp_tensors(str(bare), {"model.norm.weight": np.zeros(3)})
     with pytest.raises(ValueError, match="at least one layer"):
         M.MTPConfig.for_target(target.config, 0)

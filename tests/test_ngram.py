@@ -9,10 +9,10 @@ import pytest
 
 import specjax
 from helpers import cheap_compiles, compare_greedy, prefix_logits_fn, tiny_target
-from specjax import tree as T
+from specjax.spec import tree as T
 from specjax.drafters import DraftContext, NgramDrafter
 from specjax.drafters.ngram import History
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 VOCAB = 32
 NEW = 20
@@ -119,7 +119,7 @@ def test_treegraft_default_cheap_tree_is_a_trie_of_matches(target):
     (k chains under the root: k*D+1 node slots, more than the verify budget N), not one chain."""
     from specjax.drafters import LMDrafter
     from specjax.drafters.ngram import branches_of
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.treegraft import TreeGraft
     tg = TreeGraft(NgramDrafter(), LMDrafter(target))
     for verify, k in (("depth=3,topk=3,nodes=8", 4), ("depth=3,topk=8,nodes=40", 14), ("chain=4", 4)):
         spec = T.parse_tree_spec(verify)

@@ -16,7 +16,7 @@ NOTEBOOK = REPO / "tools" / "quickstart.ipynb"
 def test_quickstart_notebook_runs(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    from specjax.checkpoint import save_model
+    from specjax.io.checkpoint import save_model
     from specjax.drafters.feature import FeatureConfig, FeatureHead, save_feature_head
     from specjax.models import transformer
     from specjax.models.config import ModelConfig

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import kvcache
+from specjax.models import kvcache
 from specjax.models import transformer
 
 from conftest import KINDS

@@ -64,7 +64,7 @@ def test_quantized_target_close_to_float32(weights):
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 def test_quantized_speculative_equals_ar_at_the_same_dtype(weights):
     """Token for token, no near-tie allowance: with the batch-invariant attention
-    (`specjax.invariant`) a tree verifies exactly what AR decodes."""
+    (`specjax.models.invariant`) a tree verifies exactly what AR decodes."""
     target = transformer.set_attention_impl(_quantized(tiny_target(VOCAB), weights), "invariant")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 21, 14, 30)]

@@ -24,13 +24,14 @@ from flax import nnx
 
 import specjax
 from helpers import first_two_chi_squares, tiny_hybrid, tiny_hybrid_config, tiny_target, train_block_on_own_outputs
-from specjax import engine, verify as V
+from specjax.engine import loop as engine
+from specjax.spec import verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import Committed, DraftContext
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, load_block_head, save_block_head, train_logits
 from specjax.models import family, hybrid
-from specjax.sampling import SamplingParams
-from specjax.tree import parse_tree_spec
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import parse_tree_spec
 
 VOCAB = 64
 W = 4

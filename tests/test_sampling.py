@@ -21,8 +21,8 @@ import pytest
 
 import specjax
 from helpers import chi_square
-from specjax import sampling
-from specjax.sampling import SamplingParams
+from specjax.spec import sampling
+from specjax.spec.sampling import SamplingParams
 
 N_DRAWS = 200_000
 # Distinct logits over V = 12, in shuffled order (so the sort in warp matters).

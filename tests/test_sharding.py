@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specjax import sharding
+from specjax.models import sharding
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "mesh_worker.py"
@@ -80,7 +80,7 @@ def test_one_device_mesh_is_the_plain_program():
 
     import specjax
     from helpers import tiny_target
-    from specjax import engine
+    from specjax.engine import loop as engine
     target = tiny_target(160)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]

@@ -7,7 +7,7 @@ import pytest
 
 import specjax
 from helpers import compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model, tiny_target
-from specjax import engine
+from specjax.engine import loop as engine
 from specjax.drafters import LMDrafter, NgramDrafter
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -163,7 +163,7 @@ def test_chain_loop_drafts_what_the_unrolled_chain_drafts(target, noisy_drafter,
 
     import jax
     from flax import nnx
-    from specjax import sampling, tree as tree_lib
+    from specjax.spec import sampling, tree as tree_lib
     from specjax.drafters import FeatureDrafter
     from specjax.drafters.base import DraftContext
     from specjax.drafters.feature import FeatureConfig, FeatureHead

@@ -1,4 +1,4 @@
-"""Switch (`specjax.switch`): n-gram's chain where its match is long, a model drafter's chain elsewhere.
+"""Switch (`specjax.drafters.composite.switch`): n-gram's chain where its match is long, a model drafter's chain elsewhere.
 
 - greedy output equals autoregressive output with an lm drafter (batch 1 and a ragged batch of 4) and
   a feature drafter (which reads target layers: the composite hands each part its own); both drafters
@@ -16,9 +16,10 @@ from flax import nnx
 
 import specjax
 from helpers import cheap_compiles, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_target, word_model_dir
-from specjax import engine, tree as tree_lib
+from specjax.engine import loop as engine
+from specjax.spec import tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, NgramDrafter
-from specjax.switch import Switch
+from specjax.drafters.composite.switch import Switch
 
 VOCAB = 64
 NEW = 16
@@ -135,9 +136,9 @@ def test_composites_forward_each_parts_state_partition():
     """A part's own `state_partition` lays out its field of a Switch's / TreeGraft's state (no tracing)."""
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-    from specjax import treegraft
+    from specjax.drafters.composite import treegraft
     from specjax.drafters import LMDrafter
-    from specjax.switch import SwitchState
+    from specjax.drafters.composite.switch import SwitchState
 
     class Pinned(LMDrafter):
         def state_partition(self, state, batch):

@@ -46,7 +46,7 @@ def test_bench_methods_outside_the_default_list():
     assert [(m.name, m.drafter, m.tree, m.temperature) for m in got] == [
         ("lm chain=3", "lm", "chain=3", 0.0), ("mtp@2048 depth=4,topk=2,nodes=8", "mtp@2048", "depth=4,topk=2,nodes=8", 0.0),
         ("ngram+lm depth=4,topk=2,nodes=8", "ngram+lm", "depth=4,topk=2,nodes=8", 0.0)]
-    from specjax.treegraft import TreeGraft
+    from specjax.drafters.composite.treegraft import TreeGraft
     target, drafters, _ = bench.smoke_setup()  # 'CHEAP+STRONG': TreeGraft of the two, the strong one every round
     tg = bench.method_drafter(target, drafters, bench.extra_methods(["ngram+dspark chain=4"], drafters)[0])
     assert isinstance(tg, TreeGraft) and tg.policy == "always"
@@ -86,7 +86,7 @@ def test_bench_critical_path_smoke(tmp_path):
 def test_profile_widths_smoke(tmp_path):
     from tools import profile_widths
 
-    from specjax.profile import costs_from_profile, load_profile
+    from specjax.spec.profile import costs_from_profile, load_profile
     out = tmp_path / "profile.json"
     p = profile_widths.main(["--smoke", "--batch", "1", "--tree", "chain=2", "--out", str(out)])
     assert load_profile(str(out)) == json.loads(json.dumps(p))
@@ -126,7 +126,7 @@ def test_bench_adaptive_and_adaptive_profile_smoke(tmp_path):
 def test_costs_from_profile():
     import pytest
 
-    from specjax.profile import costs_from_profile, profile_batch
+    from specjax.spec.profile import costs_from_profile, profile_batch
     rows = {str(b): {"widths": [1, 3, 5], "round_s": [b, b + 1, b + 2]} for b in (2, 4, 16)}
     p = {"tree": "chain=4", "rows": rows}
     assert [profile_batch(p, b) for b in (1, 2, 3, 4, 15, 16, 64)] == [2, 2, 2, 4, 4, 16, 16]

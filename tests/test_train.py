@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer
 
-from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
+from specjax.io.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.models.transformer import init_cache, prefill
 from train import corpus, data, eval_ppl, lm
 from helpers import stdlib_sample
@@ -441,7 +441,7 @@ def test_target_cache_builds_resumes_and_trains_a_block_drafter(zoo, full_run):
     back as the target's own features and top-k; a block drafter trains on it (DeepSpec's weighted
     mean, the backbone from the target) to the online loss at step 0 when k = V, and drafts losslessly."""
     import specjax
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from specjax.models import transformer
     from specjax.drafters import vocab as vocab_lib
@@ -598,7 +598,7 @@ def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
     top-k (the target as deployed), its manifest says so, a rebuild at another dtype is refused, and a
     trainer on it loads its target at int8 (embedding, LM head and validation match the labels)."""
     import specjax
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from specjax.models import quant, transformer
     from train import block, drafter_run, target_cache
@@ -642,7 +642,7 @@ def test_a_cache_built_at_int8_distils_the_int8_target(zoo, full_run):
 def test_gpu_training_path_runs_from_corpus_tokens(zoo, full_run, tmp_path):
     """tools.gpu_train at a tiny size on CPU: the corpus as tokens (what a slim tree carries, read
     through the config's `manifest`), the cache built, a block drafter trained on it and exported."""
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from tools import gpu_train
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import tree as T
+from specjax.spec import tree as T
 
 
 def test_static_layout_and_ancestors():

@@ -25,15 +25,16 @@ from flax import nnx
 import specjax
 from helpers import (assert_first_two_follow, chi_square, next_logits, prefilled_state, spread_target,
                      trained_dspark)
-from specjax import engine, tree as T, verify as V
+from specjax.engine import loop as engine
+from specjax.spec import tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
 from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, ar_logits, load_block_head, markov_embed,
                                     position_logits, save_block_head)
-from specjax.taps import PathCalibration, fit_path_calibration
-from specjax.widths import budget_keep
+from specjax.spec.calibration import PathCalibration, fit_path_calibration
+from specjax.spec.widths import budget_keep
 from specjax.models import family
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 VOCAB = 64
 W = 4
@@ -269,7 +270,7 @@ def test_path_calibration_fit():
 
 
 def test_treeflash_checkpoint_on_its_backbone_and_refusals(dense, tmp_path):
-    from specjax.checkpoint import weights_sha256
+    from specjax.io.checkpoint import weights_sha256
     target, head, tf, cal, data = dense
     bdir, tdir = tmp_path / "backbone", tmp_path / "treeflash"
     save_block_head(head, str(bdir))

@@ -26,12 +26,14 @@ from hypothesis import given, settings, strategies as st
 import specjax
 from helpers import (cheap_compiles, chi_square, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model,
                      tiny_target, word_model_dir)
-from specjax import engine, scheduler as sched_lib, tree as T, verify as V
+from specjax.engine import loop as engine
+from specjax.drafters.composite import scheduler as sched_lib
+from specjax.spec import tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
-from specjax.sampling import SamplingParams
-from specjax.treegraft import STRONG, TreeGraft, graft_tree
+from specjax.spec.sampling import SamplingParams
+from specjax.drafters.composite.treegraft import STRONG, TreeGraft, graft_tree
 
 VOCAB = 64
 TREE = "depth=3,topk=3,nodes=8"  # the verify budget (as tools/bench_treegraft.py --smoke: shared compiles)
@@ -471,11 +473,11 @@ def test_value_system_and_distillation_end_to_end(target, strong, distilled):
         distill_scheduler.distill([root / "values"], root / "run", None,
                                   distill_scheduler.DistillConfig(steps=30, hidden=(8,), batch_size=64), progress=False)
     # the distilled scheduler drives the engine (greedy output unchanged)
-    from specjax import treegraft
+    from specjax.drafters.composite import treegraft
     tg = treegraft.build([NgramDrafter(), strong], str(root / "sched"))
     # a scheduler distilled for other weights of the strong drafter is refused (a drafter retrained since)
     from safetensors.numpy import save_file
-    from specjax.checkpoint import weights_sha256
+    from specjax.io.checkpoint import weights_sha256
     strong_dir = root / "strong"
     strong_dir.mkdir(exist_ok=True)
     save_file({"w": np.zeros(3, np.float32)}, str(strong_dir / "model.safetensors"))

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import chi_square
-from specjax import tree as T
-from specjax import verify as V
-from specjax.sampling import SamplingParams
+from specjax.spec import tree as T
+from specjax.spec import verify as V
+from specjax.spec.sampling import SamplingParams
 
 VOCAB = 5
 ROWS = 200_000

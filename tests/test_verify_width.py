@@ -21,10 +21,11 @@ import pytest
 
 import specjax
 from helpers import compare_greedy, noisy_lm_drafter, tiny_target
-from specjax import engine, tree as tree_lib, verify as verify_lib
+from specjax.engine import loop as engine
+from specjax.spec import tree as tree_lib, verify as verify_lib
 from specjax.drafters import Drafter
 from specjax.models import hybrid, transformer
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 import test_hybrid
 import test_speculative

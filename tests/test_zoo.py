@@ -43,7 +43,7 @@ def test_shipped_feature_drafters():
 
 
 def _check_lm(name):
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.io.checkpoint import load_model, load_tokenizer
     d = REPO / "models" / name
     want = ZOO["models"][name]
     for fname, sha in want["files"].items():
@@ -62,7 +62,7 @@ def _check_lm(name):
 
 
 def _check_feature(name, targets):
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.io.checkpoint import load_model, load_tokenizer
     d = REPO / "models" / name
     want = ZOO["models"][name]
     for fname, sha in want["files"].items():

@@ -48,10 +48,10 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import tree as tree_lib
+from specjax.spec import tree as tree_lib
 from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter
-from specjax.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
-from specjax.widths import tree_widths
+from specjax.spec.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
+from specjax.spec.widths import tree_widths
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_block_head,
                            smoke_models, time_generation, with_speedup, write_outputs)
 from tools.profile_widths import draft_seconds
@@ -72,7 +72,7 @@ class Method:
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
     boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
-    switch: tuple | None = None  # 'MATCHES|MODEL': (the model drafter's tree, min_match) of `specjax.switch`
+    switch: tuple | None = None  # 'MATCHES|MODEL': (the model drafter's tree, min_match) of `specjax.drafters.composite.switch`
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -171,12 +171,12 @@ def split_methods(text: str) -> list[str]:
 
 def extra_methods(names, drafters: dict) -> list[Method]:
     """`--methods` names outside the default list that read `DRAFTER TREE` (a loaded drafter and a
-    tree spec that `specjax.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
+    tree spec that `specjax.spec.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
     that drafter greedy on that tree, so any two drafters can be compared at the same shape.
     `CHEAP+STRONG TREE` (e.g. 'ngram+dspark-int8 depth=6,topk=2,nodes=8'): TreeGraft of the two
     loaded drafters, the strong one invoked every round (policy "always"), TREE the verify budget.
     `MATCHES|MODEL TREE|MODEL_TREE|MIN_MATCH` (e.g. 'ngram|feature@1024-int8 chain=6|chain=3|3'):
-    `specjax.switch.Switch`, n-gram's TREE where its match is at least MIN_MATCH tokens long (default
+    `specjax.drafters.composite.switch.Switch`, n-gram's TREE where its match is at least MIN_MATCH tokens long (default
     3), the model drafter's MODEL_TREE (default chain=3) elsewhere."""
     out = []
     for name in names:
@@ -219,11 +219,11 @@ def method_drafter(target, drafters, m: Method):
     for 'MATCHES|MODEL', their Switch."""
     pair = _graft_pair(m.drafter)
     if pair is not None:
-        from specjax import treegraft
+        from specjax.drafters.composite import treegraft
         return treegraft.build([drafters[pair[0]], drafters[pair[1]]], "always")
     pair = _switch_pair(m.drafter)
     if pair is not None:
-        from specjax.switch import Switch
+        from specjax.drafters.composite.switch import Switch
         return Switch(drafters[pair[0]], drafters[pair[1]], model_tree=m.switch[0], min_match=m.switch[1])
     d = drafters[m.drafter]
     if m.confidence != "off" or m.costs is not None or m.zero_state or m.boundaries is not None:
@@ -374,7 +374,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
 
 
 def zoo_setup(args):
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from train import prompts as prompt_sets
     target = specjax.load_model(args.target, weights=args.weights, invariant=args.invariant)
     tok = load_tokenizer(args.target)
@@ -414,8 +414,8 @@ def zoo_setup(args):
 
 def chat_prompts(target_dir, tok, path, n) -> list[list[int]]:
     """The first `n` chats of a JSONL file of {"messages": [...]} rows, rendered with the target's chat
-    template (specjax.chat) and tokenized."""
-    from specjax.chat import render_chat
+    template (specjax.io.chat) and tokenized."""
+    from specjax.io.chat import render_chat
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:n]
     return [tok.encode(render_chat(target_dir, r["messages"])).ids for r in rows]
 

@@ -5,7 +5,7 @@ one process.
 Rows, per drafter (`--drafter NAME=DIR`, repeatable; default lm = models/code-draft):
     fixed     each of --trees, verified whole (lossless)
     adaptive  --adaptive-tree drafted, each round verified at the width that maximises expected
-              tokens / second (`specjax.adaptive.AdaptiveShape`), its costs profiled in this process
+              tokens / second (`specjax.drafters.composite.adaptive.AdaptiveShape`), its costs profiled in this process
               at this batch size (`tools.profile_widths.profile_rows`; in the JSON's meta), with the
               drafter's `adaptive_calibration.json` when it has one (`train.adaptive_calibration`)
     margin    the first drafter's --margin-tree under verify="margin" for each δ in --margins
@@ -45,9 +45,9 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax import tree as tree_lib
-from specjax.adaptive import CALIBRATION_FILE, AdaptiveShape, read_calibration
-from specjax.widths import adaptive_widths
+from specjax.spec import tree as tree_lib
+from specjax.drafters.composite.adaptive import CALIBRATION_FILE, AdaptiveShape, read_calibration
+from specjax.spec.widths import adaptive_widths
 from specjax.models import family
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, time_generation,
                            with_speedup, write_outputs)
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         margins = margins[:2]
         texts = [""] * len(prompts)
     else:
-        from specjax.checkpoint import load_tokenizer
+        from specjax.io.checkpoint import load_tokenizer
         from specjax.drafters import load_drafter
         from train import prompts as prompt_sets
         if not os.path.isdir(args.target):

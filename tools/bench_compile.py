@@ -10,7 +10,7 @@ the hybrid target), each in a fresh process, one prompt ("def add(a, b):"), 24 n
 Per process: seconds of tracing (jaxpr), lowering (jaxpr -> StableHLO) and XLA compilation (the
 union of JAX's own compile-event spans, `jax.monitoring`, as the CLI's compile_s), the first
 generate call's wall time and a second call's (the run alone), and the process's wall time.
-Where the big program's size goes, per part of the round (named scopes of `specjax.engine`:
+Where the big program's size goes, per part of the round (named scopes of `specjax.engine.loop`:
 prefill, draft_init, draft, verify_forward, verify_walk, commit, emit; AR: prefill, decode; `other` is the loop's own
 glue): jaxpr equations of the traced program, sub-jaxprs included (a proxy for what tracing,
 lowering and XLA work on). And the CLI's wall time for the issue's command
@@ -113,7 +113,7 @@ def load(name: str, smoke: bool):
     import specjax
     if smoke:
         from specjax.drafters import LMDrafter, NgramDrafter
-        from specjax import treegraft
+        from specjax.drafters.composite import treegraft
         from tools.harness import smoke_models
         _, target, draft = smoke_models()
         prompt = [3, 5, 7, 11, 13, 5, 7, 11]
@@ -123,7 +123,7 @@ def load(name: str, smoke: bool):
                 "treegraft ngram+lm": "depth=3,topk=2,nodes=6"}[name]
         return target, drafters, tree, prompt
     from specjax.drafters import load_drafter
-    from specjax import treegraft
+    from specjax.drafters.composite import treegraft
     tdir, ddirs, tree, policy = CONFIGS[name]
     target = specjax.load_model(str(REPO / tdir))
     prompt = specjax.load_tokenizer(str(REPO / tdir)).encode(PROMPT).ids
@@ -137,10 +137,10 @@ def child(args) -> dict:
     from jax import monitoring
 
     if args.cache != "none":
-        from specjax.compile_cache import enable_compilation_cache
+        from specjax.io.compile_cache import enable_compilation_cache
         enable_compilation_cache(args.cache)
     import specjax
-    from specjax import engine
+    from specjax.engine import loop as engine
 
     t_load = time.perf_counter()
     target, drafters, tree, prompt = load(args.child, args.smoke)
@@ -266,7 +266,7 @@ AB_COLUMNS = [Column("config", "config", right=False), Column("new tokens", "new
 def ab_child(args) -> dict:
     """One form of the loop A/B in this process: compile, then time `repeats` generate calls."""
     import specjax
-    from specjax import tree as tree_lib
+    from specjax.spec import tree as tree_lib
     if args.ab_form == "unrolled":
         tree_lib.LOOP_MIN_DEPTH = 10 ** 6
     target, drafters, tree, prompt = load(args.child, args.smoke)

@@ -41,7 +41,7 @@ def setup(args):
         drafters = {"dspark": BlockDrafter(smoke_block_head(cfg, block_size=4), target),
                     "dpara": BlockDrafter(smoke_block_head(cfg, block_size=4, boundary=True), target)}
         return target, drafters, list(range(3, 3 + args.context)), "smoke: tiny random models"
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from train import prompts as prompt_sets
     target = specjax.load_model(args.target)
     drafters = {}

@@ -144,7 +144,7 @@ def bench_tree(args, gpu, kernel_impl, peak):
     import jax
     import jax.numpy as jnp
     from pallas_kernels import ops
-    from specjax import kvcache
+    from specjax.models import kvcache
     from specjax.models import transformer
 
     dtype = jnp.dtype(args.dtype)

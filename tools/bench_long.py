@@ -11,7 +11,7 @@ all checked token for token against greedy autoregressive output:
     fold (both)      shared position and sharpening
 
 plus the drafter's attention entropy and mass on far keys at its first draft step (every layer,
-averaged; recomputed from the reference definition, `specjax.fold_diagnostics.attention_diagnostics`).
+averaged; recomputed from the reference definition, `specjax.engine.fold_diagnostics.attention_diagnostics`).
 Prompts come from `train.prompts.long_context_prompts` (the longest files of a split), cut so that
 prompt + generated tokens + draft depth <= L. FOLD's window and lambda are chosen on the
 validation split (`--tune`: a small grid, best mean tau of "fold (both)" per drafter, written to
@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 import specjax
-from specjax import fold as fold_lib, fold_diagnostics
-from specjax.fold import FoldConfig
+from specjax.models import fold as fold_lib
+from specjax.engine import fold_diagnostics
+from specjax.models.fold import FoldConfig
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_models,
                            time_generation, write_outputs)
 
@@ -89,7 +90,7 @@ def smoke_setup(args):
 
 
 def zoo_setup(args):
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from train import prompts as prompt_sets
     target = specjax.load_model(args.target)

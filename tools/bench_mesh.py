@@ -53,8 +53,8 @@ def main(argv=None) -> None:
     import numpy as np
 
     import specjax
-    from specjax import sharding
-    from specjax.checkpoint import load_tokenizer
+    from specjax.models import sharding
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from train import lm, prompts as prompt_sets
 
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
                 kw = dict(max_new_tokens=args.new_tokens, mesh=mesh)
                 if drafter is not None:
                     kw["drafters"] = [drafter]
-                before = specjax.engine.trace_count()
+                before = specjax.engine.loop.trace_count()
                 t0 = time.perf_counter()
                 out = specjax.generate(target, prompts, **kw)
                 first_s = time.perf_counter() - t0
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
                 ref = out.sequences() if ref is None else ref
                 row = {"target": tname, "method": mname, "mesh": label(m), "compile_and_first_s": round(first_s, 2),
                        "median_s": float(np.median(times)), "tokens_per_s": tokens / float(np.median(times)),
-                       "traces": specjax.engine.trace_count() - before, "same_tokens": out.sequences() == ref}
+                       "traces": specjax.engine.loop.trace_count() - before, "same_tokens": out.sequences() == ref}
                 if drafter is not None:
                     row["tau"] = float(np.mean(out.stats["tau"]))
                 rows.append(row)

@@ -80,7 +80,7 @@ def forward_costs(target, prompt_len: int, blocks: list[int], repeats: int, loop
 
 
 def tree_nodes(spec: str) -> int:
-    from specjax import tree as tree_lib
+    from specjax.spec import tree as tree_lib
     return tree_lib.parse_tree_spec(spec).num_nodes
 
 
@@ -124,9 +124,10 @@ def stage_split(target, drafter, prompt, spec_str: str, repeats: int, loops: int
     one real round of `prompt`. A stage timed alone as its own jitted call is not comparable: it
     pays a dispatch and copies its non-donated buffers, and on this CPU an autoregressive step
     timed alone costs far more than one in the loop."""
-    from specjax import engine, tree as tree_lib, verify as verify_lib
+    from specjax.engine import loop as engine
+    from specjax.spec import tree as tree_lib, verify as verify_lib
     from specjax.drafters.base import Committed, DraftContext
-    from specjax.sampling import SamplingParams
+    from specjax.spec.sampling import SamplingParams
 
     spec = drafter.resolve_tree(tree_lib.parse_tree_spec(spec_str))
     D, M, R = spec.max_depth, 64, loops
@@ -263,7 +264,7 @@ def block_stages(graphdef, state, carry, prop, tree, cache0, looped, touch, per,
     sum where the device runs them side by side."""
     import dataclasses
 
-    from specjax import tree as tree_lib
+    from specjax.spec import tree as tree_lib
     from specjax.drafters.block import BlockPass
     d0 = nnx.merge(graphdef, state)[1]
     dpara = d0.head.config.boundary

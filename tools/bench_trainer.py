@@ -18,7 +18,7 @@ import numpy as np
 from tools.harness import Column, run_meta, write_outputs
 from train import block, data, target_cache
 from train.lm import _resolve, load_streams_for
-from specjax.checkpoint import load_tokenizer
+from specjax.io.checkpoint import load_tokenizer
 
 
 def time_steps(cfg, cache, steps: int, warmup: int) -> dict:

@@ -43,10 +43,11 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax import scheduler as sched_lib
+from specjax.drafters.composite import scheduler as sched_lib
 from specjax.drafters import DraftContext, LMDrafter, NgramDrafter
-from specjax.sampling import SamplingParams
-from specjax.treegraft import RoundStepper, TreeGraft, check_scheduler_drafters
+from specjax.spec.sampling import SamplingParams
+from specjax.drafters.composite.treegraft import TreeGraft, check_scheduler_drafters
+from specjax.engine.stepper import RoundStepper
 from tools.harness import (REPO, Column, generation_row, output_path, run_meta, smoke_models, time_generation,
                            write_outputs)
 from train.lm import repo_relative
@@ -83,7 +84,7 @@ def smoke_setup(seed: int = 0):
 
 
 def zoo_setup(args):
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from train import prompts as prompt_sets
     target = specjax.load_model(args.target)

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling
-from specjax.sampling import SamplingParams
+from specjax.spec import sampling
+from specjax.spec.sampling import SamplingParams
 from tools.harness import cpu_name
 
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts (the batch of the batch-4 line)")
     ap.add_argument("--new-tokens", type=int, default=96)
     args = ap.parse_args(argv)
-    from specjax.checkpoint import has_weights
+    from specjax.io.checkpoint import has_weights
     if not has_weights(args.model):
         print(f"{args.model}: no trained model here yet. The zoo is trained by `make models` "
               f"(hours on a 2-core CPU; see configs/ and train/README.md).", file=sys.stderr)

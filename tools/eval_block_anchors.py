@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.io.checkpoint import load_model, load_tokenizer
 from specjax.drafters import BlockDrafter, check_feature_target
 from specjax.drafters.block import load_block_head
 from tools.harness import REPO, Column, run_meta, write_outputs

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.io.checkpoint import load_model, load_tokenizer
 from train import block, target_cache
 from train.lm import _resolve, load_streams_for
 

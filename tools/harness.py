@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from specjax.profile import cpu_name  # noqa: F401 - re-exported: the tools record it with every result
+from specjax.spec.profile import cpu_name  # noqa: F401 - re-exported: the tools record it with every result
 
 REPO = Path(__file__).resolve().parents[1]
 NEAR_TIE = 1e-4  # a greedy divergence is an honest near-tie where the target's top-2 logits are this close
@@ -190,7 +190,7 @@ def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
 
 def warmup_groups(groups):
     """One group per compiled shape (prompts are padded to the engine's bucket)."""
-    from specjax.engine import PROMPT_BUCKET
+    from specjax.engine.loop import PROMPT_BUCKET
     seen = {}
     for g in groups:
         seen.setdefault(-(-max(len(p) for p in g) // PROMPT_BUCKET), g)
@@ -247,7 +247,7 @@ def generation_row(results, times: list[float], speculative: bool) -> dict:
             row["mean_draft_len"] = sum(int(x.stats["drafted"].sum()) for x in results) / max(rounds, 1)
         if all("adaptive_depth" in x.stats for x in results):
             row["mean_adaptive_depth"] = sum(int(x.stats["adaptive_depth"].sum()) for x in results) / max(rounds, 1)
-        if all("switch_model_rounds" in x.stats for x in results):  # `specjax.switch`: rounds the model drafted
+        if all("switch_model_rounds" in x.stats for x in results):  # `specjax.drafters.composite.switch`: rounds the model drafted
             row["model_round_share"] = sum(int(x.stats["switch_model_rounds"].sum()) for x in results) / max(rounds, 1)
     row["sequences"] = [s for x in results for s in x.sequences()]
     return row

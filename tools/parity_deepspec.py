@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.checkpoint import save_model
+from specjax.io.checkpoint import save_model
 from specjax.drafters import drafter_kind, load_drafter
 from specjax.drafters.block import train_logits
 from specjax.drafters.block.network import target_features

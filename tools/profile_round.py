@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     md = write_outputs(out, meta_out, rows, cols, title=f"A round op by op ({what}; {args.drafter} {args.tree})",
                        intro=[f"{rounds} rounds of one prompt, {args.new_tokens} new tokens; µs of each XLA op "
                               "under the profiler, summed and divided by the rounds (profiler overhead included: "
-                              "read shares). Scopes from the HLO dump's op_name (`specjax.engine`'s named scopes)."])
+                              "read shares). Scopes from the HLO dump's op_name (`specjax.engine.loop`'s named scopes)."])
     print(md.read_text())
     return 0
 

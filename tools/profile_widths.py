@@ -25,9 +25,9 @@ it (rest_s) and adds it to every width, the DSpark scheduler's and TAPS's profil
     python -m tools.profile_widths --smoke    # tiny random target and block drafter (checks the tool; with
                                               # --adaptive the smoke lm drafter, as bench_adaptive --smoke)
     python -m tools.profile_widths --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
-                                              # AdaptiveSpec's widths (specjax.adaptive) for any drafter
+                                              # AdaptiveSpec's widths (specjax.drafters.composite.adaptive) for any drafter
 
-Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.profile.costs_from_profile`:
+Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.spec.profile.costs_from_profile`:
     {"cpu", "device", "target", "target_sha256", "drafter", "tree", "context", "command",
      "rows": {"<B>": {"widths": [...], "round_s": [...], "draft_s": x, "verify_s": [...]}},
      "meta": {...}}    # tools.harness.run_meta: cores, date, jax / jaxlib versions, ...
@@ -45,11 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import engine, tree as tree_lib
+from specjax.engine import loop as engine
+from specjax.spec import tree as tree_lib
 from specjax.drafters.base import DraftContext
 from specjax.models import family
-from specjax.profile import default_profile_name
-from specjax.sampling import SamplingParams
+from specjax.spec.profile import default_profile_name
+from specjax.spec.sampling import SamplingParams
 from tools.harness import REPO, median_ms, run_meta, smoke_block_head, smoke_models
 from train.lm import repo_relative
 
@@ -242,7 +243,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loops", type=int, default=LOOPS, help="iterations per timed jitted call")
     ap.add_argument("--adaptive", action="store_true",
-                    help="profile the adaptive shape's widths (specjax.widths.adaptive_widths) for any drafter "
+                    help="profile the adaptive shape's widths (specjax.spec.widths.adaptive_widths) for any drafter "
                          "(lm, feature, block) and --tree (default: the drafter's default tree)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random target and block drafter (with --adaptive: the smoke lm drafter, the one "
@@ -268,7 +269,7 @@ def main(argv=None) -> dict:
         target_name, drafter_name, sha = "smoke", "smoke", None
     else:
         import specjax
-        from specjax.checkpoint import weights_sha256
+        from specjax.io.checkpoint import weights_sha256
         from specjax.drafters import load_drafter
         args.drafter = args.drafter or f"{args.target.rstrip('/')}-dspark"
         if not os.path.isdir(args.target):
@@ -285,8 +286,8 @@ def main(argv=None) -> dict:
             ap.error(f"--drafter {args.drafter}: not a block drafter (profile another drafter's widths with --adaptive)")
         target_name, drafter_name, sha = repo_relative(args.target), repo_relative(args.drafter), weights_sha256(args.target)
     if args.adaptive:
-        from specjax.adaptive import AdaptiveShape
-        from specjax.widths import adaptive_widths
+        from specjax.drafters.composite.adaptive import AdaptiveShape
+        from specjax.spec.widths import adaptive_widths
         tree = args.tree or drafter.default_tree
         try:
             n = drafter.resolve_tree(tree_lib.parse_tree_spec(tree)).num_nodes
@@ -297,7 +298,7 @@ def main(argv=None) -> dict:
     try:
         spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
         if isinstance(spec, tree_lib.BestFirstTree) and not args.adaptive:  # TAPS's budget: the widths of tree_widths(N), confidence off
-            from specjax.widths import tree_widths
+            from specjax.spec.widths import tree_widths
             drafter = BlockDrafter(drafter.head, target, path_calibration=drafter.path_calibration,
                                    costs=(1.0,) * len(tree_widths(spec.num_nodes)) if spec.select == "taps" else None)
         drafter.check_tree(spec, "greedy")

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from specjax.checkpoint import load_tokenizer
+from specjax.io.checkpoint import load_tokenizer
 from train.lm import REPO, load_streams_for, save_corpus_tokens
 
 SLIM = ".slim"  # the carried folder (ignored through .git/info/exclude)

@@ -1,4 +1,4 @@
-"""Fits the adaptive shape's acceptance-by-confidence counts g(q) for a drafter (`specjax.adaptive`)
+"""Fits the adaptive shape's acceptance-by-confidence counts g(q) for a drafter (`specjax.drafters.composite.adaptive`)
 and stores them with the drafter (`adaptive_calibration.json`, read by the CLI's `--adaptive` and
 `tools/bench_adaptive.py`).
 
@@ -24,8 +24,9 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import adaptive, tree as tree_lib, widths
-from specjax.checkpoint import load_tokenizer, weights_sha256
+from specjax.drafters.composite import adaptive
+from specjax.spec import tree as tree_lib, widths
+from specjax.io.checkpoint import load_tokenizer, weights_sha256
 from specjax.drafters import load_drafter
 from train.lm import REPO, repo_relative
 

@@ -54,8 +54,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from specjax import sharding
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.models import sharding
+from specjax.io.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
 from train import calibration as calib, data, drafter_run, target_cache
@@ -466,7 +466,7 @@ RULES = Bk.BlockDrafter.partition_rules  # the head's layout on a mesh (design Â
 
 @drafter_run.on_mesh
 def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
-    """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
+    """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.models.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
     run_dir = Path(run_dir)

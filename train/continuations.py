@@ -6,7 +6,7 @@ split and `bench/prompts/chat.jsonl`, so nothing here overlaps them):
 - code: `train.prompts.prompt_set` cuts (after a `def` line / at a docstring's quotes), greedy
   continuation;
 - chat: one whole train-split function under an instruction (explain it, document it, test it,
-  simplify it), rendered with the target's chat template (`specjax.chat`), greedy reply;
+  simplify it), rendered with the target's chat template (`specjax.io.chat`), greedy reply;
 - questions (`--questions N`): user turns the target writes itself (Magpie, Xu et al. 2024): the
   chat template's text up to a user message's content, sampled at T=1 until the end of the turn
   (a turn cut by the token limit, or empty, is dropped; duplicates kept once), then answered
@@ -56,7 +56,7 @@ def code_prompts(tok, n: int, skip: int = 0, **where) -> list[list[int]]:
 
 
 def chat_prompt_texts(target_dir: str, tok, n: int) -> list[str]:
-    from specjax.chat import render_chat
+    from specjax.io.chat import render_chat
     from train import prompts
     funcs = prompts.whole_function_prompts(tok, n, split="train", max_tokens=320)
     return [render_chat(target_dir, [{"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)].format(src=f["text"])}])
@@ -69,7 +69,7 @@ MARK = "\u2063specjax-user-turn\u2063"  # a placeholder no template or tokenizer
 def user_turn_prefix(target_dir: str) -> tuple[str, str]:
     """(the chat template's text before a user message's content, the text right after it): what
     Magpie feeds the model to have it write a user turn, and where that turn ends."""
-    from specjax.chat import render_chat
+    from specjax.io.chat import render_chat
     text = render_chat(target_dir, [{"role": "user", "content": MARK}], add_generation_prompt=False)
     if text.count(MARK) != 1:
         raise ValueError(f"{target_dir}: the chat template does not render a user message's content once")
@@ -125,7 +125,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     the ordinary attention, not the batch-invariant one (faster batched): a near-tie may break the other
     way, which training data allows. The summary records the seconds taken."""
     import specjax
-    from specjax.checkpoint import load_tokenizer
+    from specjax.io.checkpoint import load_tokenizer
     from train.tokenizer import EOT_ID
 
     model = specjax.load_model(target_dir, weights=weights, invariant=False)
@@ -135,7 +135,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     t0 = time.perf_counter()
     questions, drawn = (sample_questions(model, tok, target_dir, n_questions, batch, first_seed=question_seed)
                         if n_questions else ([], 0))
-    from specjax.chat import render_chat
+    from specjax.io.chat import render_chat
     asked = [[EOT_ID] + tok.encode(render_chat(target_dir, [{"role": "user", "content": q}])).ids for q in questions]
     docs, generated, seen, dropped = [], {"code": 0, "chat": 0, "questions": 0}, set(), 0
     jobs = [("code", p) for p in code] + [("chat", p) for p in chat] + [("questions", p) for p in asked]

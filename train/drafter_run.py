@@ -26,8 +26,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 from tqdm import tqdm
 
-from specjax import sharding
-from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
+from specjax.models import sharding
+from specjax.io.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.drafters import heads
 from train import data, target_cache
 from train.lm import RunRefused, _resolve, load_streams_for, repo_relative
@@ -121,7 +121,7 @@ def mesh_from_args(ap, text: str | None):
 
 def on_mesh(train_fn):
     """A drafter trainer's `train(cfg, run_dir, export_dir=None, *, max_steps, overwrite, progress, mesh)`
-    run on `mesh` (`specjax.sharding.make_mesh`; None: one device): the batch checked against the data
+    run on `mesh` (`specjax.models.sharding.make_mesh`; None: one device): the batch checked against the data
     axis, the whole run inside the mesh's context (the step pins the head's layout by its table)."""
     @functools.wraps(train_fn)
     def train(cfg, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):

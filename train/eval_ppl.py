@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.io.checkpoint import load_model, load_tokenizer
 from train import corpus, data
 from train.lm import REPO, lm_token_losses, mean_window_loss
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.checkpoint import load_model
+from specjax.io.checkpoint import load_model
 from specjax.drafters import feature as F, vocab as vocab_lib
 from specjax.models import family, transformer
 from train import drafter_run
@@ -154,7 +154,7 @@ RULES = F.FeatureDrafter.partition_rules  # the head's layout on a mesh (design 
 
 @drafter_run.on_mesh
 def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
-    """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.sharding.make_mesh`):
+    """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.models.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
     target_dir = str(_resolve(cfg.target))

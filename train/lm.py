@@ -36,8 +36,8 @@ from flax import nnx
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from specjax import kvcache, sharding
-from specjax.checkpoint import has_weights, save_model
+from specjax.models import kvcache, sharding
+from specjax.io.checkpoint import has_weights, save_model
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HYBRID_MODEL_TYPES, HybridConfig, ModelConfig, RopeScaling
 from specjax.models.transformer import causal_mask, forward
@@ -491,7 +491,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
           max_steps: int | None = None, overwrite: bool = False, progress: bool = True,
           reschedule: bool = False, mesh=None) -> dict:
     """Trains (or resumes) up to `max_steps` (default: all phases); exports when finished.
-    Returns the final train state. `mesh` (a `jax.sharding.Mesh`, `specjax.sharding.make_mesh`):
+    Returns the final train state. `mesh` (a `jax.sharding.Mesh`, `specjax.models.sharding.make_mesh`):
     data parallel over its `data` axis (the batch and every micro-batch must divide by it), tensor
     parallel over `model` by the family's partition table; checkpoints are the same orbax
     checkpoints (saved sharded; a run may resume on another mesh or on one device)."""

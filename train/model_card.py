@@ -23,13 +23,13 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from specjax.checkpoint import load_model
+from specjax.io.checkpoint import load_model
 from specjax.models.config import HybridConfig
 from train import corpus, eval_ppl
 from train.lm import _resolve
 from train.lm import REPO
 from train.lm import repo_relative as _rel
-from specjax.profile import cpu_name
+from specjax.spec.profile import cpu_name
 
 
 def _corpus_lines(manifest: corpus.Manifest) -> list[str]:
@@ -678,7 +678,7 @@ def adaptive_section(model_dir: Path) -> str:
     return f"""
 ## Adaptive-shape calibration
 
-`adaptive_calibration.json`: counts for `specjax.adaptive.AdaptiveShape`'s g(q, depth), the rate at
+`adaptive_calibration.json`: counts for `specjax.drafters.composite.adaptive.AdaptiveShape`'s g(q, depth), the rate at
 which a node whose parent was accepted is accepted itself, by depth and by bin of its own draft
 probability q given its parent ({raw['depths']} depths x {raw['bins']} bins; `rate` is the fit the
 drafter uses: shrunk toward all depths, non-decreasing in q). Fitted on {raw.get('prompts')} validation prompts

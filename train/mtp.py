@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.checkpoint import load_model, load_tokenizer
+from specjax.io.checkpoint import load_model, load_tokenizer
 from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
 from train import drafter_run

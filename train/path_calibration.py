@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax import taps, tree as tree_lib
-from specjax.checkpoint import load_tokenizer
+from specjax.spec import calibration as taps, tree as tree_lib
+from specjax.io.checkpoint import load_tokenizer
 from specjax.drafters import load_drafter
 from specjax.drafters import block as Bk
 from specjax.models import family

@@ -37,8 +37,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from specjax import sharding
-from specjax.checkpoint import load_model, load_tokenizer, weights_sha256
+from specjax.models import sharding
+from specjax.io.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.models import family, hybrid, transformer
 from train import data
 from train.lm import _resolve, load_streams_for

@@ -1,9 +1,9 @@
 """The TreeGraft value system (design §6): what invoking the strong drafter is worth, round by round.
 
 On training-split prompts, each round starts from one state and runs BOTH branches from it with
-`specjax.treegraft.RoundStepper` (the engine's round, jitted once, the policy a traced value):
+`specjax.engine.stepper.RoundStepper` (the engine's round, jitted once, the policy a traced value):
 "never" (cheap tree only) and "always" (the strong drafter rescores and grafts). Each record
-holds the scheduler features of the round's cheap tree (`specjax.scheduler.FEATURE_NAMES`), each
+holds the scheduler features of the round's cheap tree (`specjax.drafters.composite.scheduler.FEATURE_NAMES`), each
 branch's accepted tokens and each branch's measured time. The generation then continues from
 one branch (`--continue-with`: random by default, so the states visited mix both policies).
 
@@ -47,8 +47,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from specjax import scheduler as sched_lib
-from specjax.treegraft import RoundStepper, TreeGraft
+from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite.treegraft import TreeGraft
+from specjax.engine.stepper import RoundStepper
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ("functions", "docstrings", "tests", "long")

@@ -4,7 +4,7 @@ import inspect
 import json
 import os
 
-from specjax.checkpoint import weights_sha256
+from specjax.io.checkpoint import weights_sha256
 from specjax.drafters import heads
 from specjax.drafters.base import REGISTRY, Committed, DraftContext, Drafter, Proposal, SourceScores, register
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
@@ -24,7 +24,7 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     drafter that needs no directory (`ngram`, `ngram:N`; `mtp`: the MTP layers of the target's own
     checkpoint, `target_path`), a drafter directory whose `drafter_config.json` names its kind
     (feature, block, mtp), or a Hugging Face model directory (lm).
-    `fold`: a `specjax.fold.FoldConfig` (lm and feature drafters). `confidence` / `costs`: a block
+    `fold`: a `specjax.models.fold.FoldConfig` (lm and feature drafters). `confidence` / `costs`: a block
     drafter's confidence cut ("off", a threshold, or "schedule" with round seconds per verify width).
     `draft_vocab`: an MTP or feature drafter's reduced draft vocabulary, the N most frequent tokens of
     the ranking shipped beside its weights (`specjax.drafters.vocab`).

@@ -28,7 +28,7 @@ capabilities (class attributes, read on the host; never a check of the drafter's
     default_tree         the tree spec used when the caller gives none (default "chain=4"; a block
                          drafter: its block)
     partition_rules      its parameters' layout on a (data, model) mesh: (regex on the parameter's
-                         path, PartitionSpec) pairs (design §10, `specjax.sharding`); default: the dense
+                         path, PartitionSpec) pairs (design §10, `specjax.models.sharding`); default: the dense
                          family's table, whose names (q_proj, mlp/down_proj, ...) the drafters' layers share
 
 hooks (host side, before tracing)
@@ -68,12 +68,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import PyTree
 
-from specjax import sharding
-from specjax.kvcache import KVCache
+from specjax.models import sharding
+from specjax.models.kvcache import KVCache
 from specjax.models import quant, transformer
 from specjax.models.hybrid import HybridCache
-from specjax.sampling import SamplingParams
-from specjax.tree import BestFirstTree, TreeBuffers, TreeSpec
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import BestFirstTree, TreeBuffers, TreeSpec
 from specjax.typing import Array, Bool, Float, Int, PRNGKey
 
 SAMPLED_RULES = ("sampled", "sampled_noreplace")
@@ -216,7 +216,7 @@ class Drafter(nnx.Module):
         """On the host before tracing: checks against the cache capacity (e.g. FOLD's window)."""
 
     def with_fold(self, cfg) -> "Drafter":
-        """The same drafter (same weights) with FOLD on (`cfg`, a `specjax.fold.FoldConfig`) or off (None)."""
+        """The same drafter (same weights) with FOLD on (`cfg`, a `specjax.models.fold.FoldConfig`) or off (None)."""
         if cfg is None:
             return self
         raise ValueError(f"FOLD changes a drafter's attention; the {self.name!r} drafter has none "
@@ -252,7 +252,7 @@ class Drafter(nnx.Module):
 
     def state_partition(self, state, batch: int):
         """Traced: PartitionSpecs for the state on a (data, model) mesh, a prefix of its pytree
-        (`specjax.sharding.constrain` pins the loop's drafter state to it every round)."""
+        (`specjax.models.sharding.constrain` pins the loop's drafter state to it every round)."""
         return sharding.batch_partition(state, batch)
 
 

@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import attention as attention_lib
-from specjax import fold as fold_lib
-from specjax import kvcache, sampling
-from specjax import tree as tree_lib
+from specjax.models import attention as attention_lib
+from specjax.models import fold as fold_lib
+from specjax.models import kvcache
+from specjax.spec import sampling
+from specjax.spec import tree as tree_lib
 from specjax.drafters import heads
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal, register
-from specjax.kvcache import KVCache
+from specjax.models.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, Model, RMSNorm, linear, rms_norm
 from specjax.typing import Array, Float
@@ -140,8 +141,8 @@ def fuse(head: FeatureHead, features_BxTxF):
 def step(head, target, tokens_BxT, x_BxTxE, positions_BxT, cache: KVCache, mask_BxTxS, offset_B=None,
          attention: attention_lib.Attention | None = None, vocab=None):
     """One drafter pass over T entries with a KV cache (drafting and commit). `attention`: a
-    `specjax.attention.Attention` (default: the jnp one); one that `rotates` (FOLD,
-    `specjax.fold.FoldAttention`) gets q and k un-rotated and the cache keeps keys before RoPE."""
+    `specjax.models.attention.Attention` (default: the jnp one); one that `rotates` (FOLD,
+    `specjax.models.fold.FoldAttention`) gets q and k un-rotated and the cache keeps keys before RoPE."""
     attention = attention_lib.DENSE if attention is None else attention
     q, k, v = qkv(head, target, tokens_BxT, x_BxTxE, positions_BxT, rope=not attention.rotates)
     layer_attention = attention.bind(cache, positions_BxT, mask_BxTxS)
@@ -199,7 +200,7 @@ class FeatureDrafter(heads.HeadDrafter):
     stops_early = True
 
     def __init__(self, head: FeatureHead, target: Model, fold=None, draft_vocab=None):
-        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain).
+        """`fold`: a `specjax.models.fold.FoldConfig` to draft with FOLD attention (None: plain).
         `draft_vocab`: token ids [N] of a reduced draft vocabulary (`specjax.drafters.vocab`: the LM
         head's N rows only; q is zero elsewhere); None: the full vocabulary."""
         self.check_target(head.config, target, "feature")
@@ -230,7 +231,7 @@ class FeatureDrafter(heads.HeadDrafter):
 
     @property
     def attention(self):
-        """The attention of every step: FOLD's (`specjax.fold.FoldAttention`, the target's RoPE), or
+        """The attention of every step: FOLD's (`specjax.models.fold.FoldAttention`, the target's RoPE), or
         None (plain)."""
         return fold_lib.FoldAttention.for_model(self.fold, self.target.config)
 

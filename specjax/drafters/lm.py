@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax import fold as fold_lib
-from specjax import sampling
-from specjax import tree as tree_lib
-from specjax.checkpoint import load_model
+from specjax.models import fold as fold_lib
+from specjax.spec import sampling
+from specjax.spec import tree as tree_lib
+from specjax.io.checkpoint import load_model
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal, register
 from specjax.models import family, quant
 from specjax.models.transformer import Model
@@ -32,7 +32,7 @@ class LMDrafter(Drafter):
     OWN = ("model",)
 
     def __init__(self, model: Model, fold=None):
-        """`fold`: a `specjax.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
+        """`fold`: a `specjax.models.fold.FoldConfig` to draft with FOLD attention (None: plain)."""
         if fold is not None and not isinstance(model, Model):
             raise ValueError(f"FOLD replaces a dense transformer drafter's attention; the lm drafter is a "
                              f"{type(model).__name__}")
@@ -54,7 +54,7 @@ class LMDrafter(Drafter):
 
     @property
     def attention(self):
-        """FOLD's attention for the forwards (`specjax.fold.FoldAttention`), or None (the model's own)."""
+        """FOLD's attention for the forwards (`specjax.models.fold.FoldAttention`), or None (the model's own)."""
         return fold_lib.FoldAttention.for_model(self.fold, self.model.config)
 
     @property

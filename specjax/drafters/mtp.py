@@ -36,14 +36,15 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from specjax import attention as attention_lib
-from specjax import kvcache, sampling
-from specjax import tree as tree_lib
-from specjax.checkpoint import mtp_num_layers, mtp_tensor_names, read_mtp_tensors, write_mtp_tensors
+from specjax.models import attention as attention_lib
+from specjax.models import kvcache
+from specjax.spec import sampling
+from specjax.spec import tree as tree_lib
+from specjax.io.checkpoint import mtp_num_layers, mtp_tensor_names, read_mtp_tensors, write_mtp_tensors
 from specjax.drafters import heads
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal, register
-from specjax.kvcache import KVCache
+from specjax.models.kvcache import KVCache
 from specjax.models import family, hybrid, transformer
 from specjax.models.config import HybridConfig
 from specjax.models.transformer import Linear, linear

@@ -17,7 +17,7 @@ target-agnostic through `family(model)`:
     node_state_bytes(config), cache_bytes(config, B, capacity)     memory of a tree block / the cache
     cache_partition(cache)                                         the cache's PartitionSpecs on a mesh
     PARTITION_RULES                                                the parameters' layout on a mesh (one
-                                                                   table per family; `specjax.sharding`)
+                                                                   table per family; `specjax.models.sharding`)
     Norm, apply_norm, attention_layer_module(config, rngs),         one attention decoder layer outside the
     attention_decoder_layer(layer, config, idx, x, positions,      stack, over a cache of its own (MTP)
                             cache, attention, offset_B)

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from specjax import invariant, kvcache
-from specjax.kvcache import KVCache
+from specjax.models import invariant, kvcache
+from specjax.models.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.config import HybridConfig
 from specjax.models.delta_rule import (CHUNK_SIZE, ancestor_or_self, conv_chunked, conv_tree, delta_chunked,  # noqa: F401

@@ -12,7 +12,7 @@ The matmuls (design §17):
   does not depend on the order it is taken in. So a row's output is bit-identical however many
   rows share the call. A speculative loop that must equal its own AR loop token for token needs that;
   the rest of the forward must be batch-invariant too: `load_model(..., invariant=None)` selects it by default at bf16 / int8:
-  `specjax.invariant`'s attention (design §17). The outputs here are `invariant.rounded`.
+  `specjax.models.invariant`'s attention (design §17). The outputs here are `invariant.rounded`.
   (bfloat16 gets the matmul's property from the padding below, on XLA:CPU with oneDNN;
   `tests/test_quant.py` checks it.)
 
@@ -24,7 +24,7 @@ two rows differ in the last bits). Greedy decoding at bfloat16 must verify exact
 decodes, so calls of one or two rows are padded to three (`MIN_ROWS`). The padding rows are zeros;
 they cost two rows of compute and are sliced off.
 
-It imports only `specjax.invariant` (a leaf) from specjax.
+It imports only `specjax.models.invariant` (a leaf) from specjax.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import invariant
+from specjax.models import invariant
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 _INT8_MAX = 127.0
@@ -81,7 +81,7 @@ def matmul(x, w, scale=None, *, transposed: bool = False):
         xq = jnp.clip(jnp.round(x2 / xs), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
         acc = jax.lax.dot_general(xq, w, contract, preferred_element_type=jnp.int32)
         # rounded: the caller's add (a residual) must not fuse with the rescale into an FMA in one
-        # compiled shape and not in another (batch invariance, `specjax.invariant`)
+        # compiled shape and not in another (batch invariance, `specjax.models.invariant`)
         return back(invariant.rounded(acc.astype(jnp.float32) * xs * scale))
     if w.dtype != x.dtype:
         x2, back = _rows(x.astype(w.dtype))

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from specjax import attention as attention_lib, invariant, kvcache
-from specjax.kvcache import KVCache
+from specjax.models import attention as attention_lib, invariant, kvcache
+from specjax.models.kvcache import KVCache
 from specjax.models import quant
 from specjax.models.config import ModelConfig
 from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
@@ -27,7 +27,7 @@ from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
 
 # ----------------------------------------------------------------------------- parameters
 
-# Tensor-parallel layout on a (data, model) mesh (design §10, `specjax.sharding`): (regex searched in
+# Tensor-parallel layout on a (data, model) mesh (design §10, `specjax.models.sharding`): (regex searched in
 # a parameter's path, spec); the first match wins, the rest is replicated. Weights are [in, out]:
 # the projections into heads / the MLP hidden split their outputs over `model`, the projections back
 # split their inputs (one all-reduce each); the embedding and the LM head split the vocabulary.
@@ -119,7 +119,7 @@ def linear(lin: Linear, x):
     return y if lin.bias is None else y + lin.bias[...]
 
 
-# RoPE and the jnp attention live in `specjax.attention` (a leaf module); re-exported here.
+# RoPE and the jnp attention live in `specjax.models.attention` (a leaf module); re-exported here.
 rope_inv_freq = attention_lib.rope_inv_freq
 rope_cos_sin = attention_lib.rope_cos_sin
 apply_rope = attention_lib.apply_rope
@@ -203,14 +203,14 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     (causal for prefill, ancestors-or-self for a tree, [[True]] for one-token decode); S = T
     unless earlier scratch blocks (a drafter's tree so far) are visible too.
 
-    `attention` (a `specjax.attention.Attention`, e.g. a drafter's `specjax.fold.FoldAttention`)
+    `attention` (a `specjax.models.attention.Attention`, e.g. a drafter's `specjax.models.fold.FoldAttention`)
     replaces the model's own (`model_attention`: jnp, or the kernel of `set_attention_impl`). One
     that `rotates` gets q and k un-rotated, and the block's keys are cached before RoPE.
     """
     cfg = model.config
     attention = model_attention(model) if attention is None else attention
     T, min_rows = tokens_BxT.shape[1], getattr(attention, "min_rows", 1)
-    if T < min_rows:  # a batch-invariant attention's smallest block (`specjax.invariant`)
+    if T < min_rows:  # a batch-invariant attention's smallest block (`specjax.models.invariant`)
         def pad(a):  # copies of the last query: they see what it sees; their K/V land in scratch slots
             return jnp.concatenate([a] + [a[:, -1:]] * (min_rows - T), axis=1)
         out = forward(model, pad(tokens_BxT), pad(positions_BxT), cache, pad(block_mask_BxTxS), hidden_layers,
@@ -237,7 +237,7 @@ ATTENTION_IMPLS = attention_lib.IMPLS
 def set_attention_impl(model: Model, impl: str) -> Model:
     """Selects how `forward` computes attention for this model (returns the model, changed in place):
     "jnp" (the default: `attend` over `kvcache.visible_mask`), "invariant" (its batch-invariant
-    form, `specjax.invariant`: what `load_model` selects at bf16 / int8 weights), or the Pallas tree-attention kernel
+    form, `specjax.models.invariant`: what `load_model` selects at bf16 / int8 weights), or the Pallas tree-attention kernel
     via `pallas_kernels.ops.tree_attention` with impl "auto" (Triton on NVIDIA GPUs, interpret mode
     on CPU), "pallas", "interpret" or "reference". The choice is a static attribute of the module,
     so it is part of `nnx.split`'s graphdef: jitted programs specialise on it and retrace when it
@@ -248,7 +248,7 @@ def set_attention_impl(model: Model, impl: str) -> Model:
 
 
 def model_attention(model) -> attention_lib.Attention:
-    """The model's own attention (`set_attention_impl`; default "jnp"), as a `specjax.attention` object."""
+    """The model's own attention (`set_attention_impl`; default "jnp"), as a `specjax.models.attention` object."""
     return attention_lib.for_impl(getattr(model, "attention_impl", "jnp"))
 
 

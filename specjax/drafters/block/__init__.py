@@ -10,7 +10,7 @@
     checkpoint.py  `save_block_head` / `load_block_head`
 
 The training objective and the confidence calibration are in `train/block.py` and
-`train/calibration.py`; the verify-width rule the scheduler shares is in `specjax.widths`.
+`train/calibration.py`; the verify-width rule the scheduler shares is in `specjax.spec.widths`.
 """
 from specjax.drafters.block.checkpoint import (
                                             backbone_dir,

@@ -11,7 +11,7 @@ pop the best path, push its next sibling and its first child, N-1 times.
                 approximation head (`ar_intermediate` > 0, `network.ar_logits`), trained on the
                 frozen backbone
     select=taps paths ranked by the product of calibrated acceptance estimates g(q, depth)
-                (`specjax.taps`: fitted by `train.path_calibration`, stored with the drafter); with
+                (`specjax.spec.calibration`: fitted by `train.path_calibration`, stored with the drafter); with
                 `costs` the verify budget is chosen per round among `widths.tree_widths(N)` (design §3b)
 
 A TreeFlash head may be stored without its backbone (`save_block_head(backbone=DIR)`): only the
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import tree as tree_lib
-from specjax import widths as widths_lib
+from specjax.spec import tree as tree_lib
+from specjax.spec import widths as widths_lib
 from specjax.drafters.base import SAMPLED_RULES, DraftContext, Proposal
 from specjax.drafters.block.network import BlockPass, BlockState, ar_logits, markov_embed, position_logits
 

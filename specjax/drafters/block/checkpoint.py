@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.checkpoint import weights_sha256
+from specjax.io.checkpoint import weights_sha256
 from specjax.drafters import heads
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.block.config import BlockConfig

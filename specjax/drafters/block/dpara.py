@@ -27,13 +27,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import attention as attention_lib
-from specjax import kvcache
-from specjax import tree as tree_lib
+from specjax.models import attention as attention_lib
+from specjax.models import kvcache
+from specjax.spec import tree as tree_lib
 from specjax.drafters.base import Committed, DraftContext, Proposal
 from specjax.drafters.block.network import (BlockPass, BlockState, backbone, base_logits, context_kv, mask_vector,
                                             token_context)
-from specjax.kvcache import KVCache
+from specjax.models.kvcache import KVCache
 from specjax.models.transformer import rms_norm
 
 

@@ -9,7 +9,7 @@ Confidence cuts (a cut only removes proposals, so every rule stays lossless):
                  up to it (free: rows are padded to the width)
     schedule     the DSpark scheduler's objective: survival a_{b,i} = prod_{j<=i} c_{b,j}; expected
                  throughput (bonus + expected accepted tokens) / cost(verify width), maximised over
-                 the compiled widths (`specjax.widths`); `costs` are the round times per width
+                 the compiled widths (`specjax.spec.widths`); `costs` are the round times per width
                  measured once per machine and batch size (`python -m tools.profile_widths`)
 Trees: a static or dynamic tree spec of depth <= W is drafted from the same single backbone pass;
 a node at depth d holding token x gets the children of b_d + W2(W1[x]), the Markov head's exact
@@ -26,10 +26,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax import attention as attention_lib
-from specjax import kvcache, sampling
-from specjax import tree as tree_lib
-from specjax import widths as widths_lib
+from specjax.models import attention as attention_lib
+from specjax.models import kvcache
+from specjax.spec import sampling
+from specjax.spec import tree as tree_lib
+from specjax.spec import widths as widths_lib
 from specjax.drafters import heads
 from specjax.drafters.base import Committed, DraftContext, Proposal, register
 from specjax.drafters.block.best_first import BestFirst
@@ -54,9 +55,9 @@ from specjax.drafters.block.network import (
     widen,
 )
 from specjax.drafters.block.ready import ReadsState, check_state_target, state_injector
-from specjax.kvcache import KVCache
+from specjax.models.kvcache import KVCache
 from specjax.models import transformer
-from specjax.taps import PathCalibration, read_path_calibration
+from specjax.spec.calibration import PathCalibration, read_path_calibration
 
 
 @register

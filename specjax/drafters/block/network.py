@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import attention as attention_lib
+from specjax.models import attention as attention_lib
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.block.config import BlockConfig
 from specjax.drafters.block.ready import StateReader, state_injector
-from specjax.kvcache import KVCache
+from specjax.models.kvcache import KVCache
 from specjax.models import transformer
 from specjax.models.transformer import MLP, Linear, RMSNorm, linear, rms_norm
 from specjax.typing import Array, Int

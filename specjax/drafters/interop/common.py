@@ -16,7 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
-from specjax.checkpoint import weights_sha256
+from specjax.io.checkpoint import weights_sha256
 
 
 class InteropError(ValueError):

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from specjax.checkpoint import load_model, weights_sha256
+from specjax.io.checkpoint import load_model, weights_sha256
 from specjax.drafters import drafter_kind
 from specjax.drafters.block import load_block_head
 from specjax.drafters.feature import load_feature_head

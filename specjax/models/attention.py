@@ -3,7 +3,7 @@ a forward takes (a leaf module: it imports no model).
 
 An attention object says how a forward's attention layers attend over the KV cache:
 
-    attention.invariant               True: the forward is batch-invariant (`specjax.invariant`):
+    attention.invariant               True: the forward is batch-invariant (`specjax.models.invariant`):
                                       RoPE's cos / sin from a table over the cache's slots and its
                                       products rounded (absent = False)
     attention.min_rows                a forward pads a shorter block to this many queries with
@@ -11,7 +11,7 @@ An attention object says how a forward's attention layers attend over the KV cac
     attention.rotates                 False: q and k reach it rotated (RoPE at their positions),
                                       and the cache holds rotated keys. True: they reach it
                                       UN-rotated, the cache holds keys before RoPE, and it applies
-                                      RoPE itself (FOLD re-positions keys: `specjax.fold.FoldAttention`)
+                                      RoPE itself (FOLD re-positions keys: `specjax.models.fold.FoldAttention`)
     fn = attention.bind(cache, positions_BxT, block_mask_BxTxS)
                                       once per forward, before the block's K/V are written (it may
                                       read the cache's `length` and shapes only): what every layer
@@ -22,7 +22,7 @@ An attention object says how a forward's attention layers attend over the KV cac
                                       the committed slots and the scratch slots under the block mask
 
 `DenseAttention` is the jnp default (`attend` over `kvcache.visible_mask`); `InvariantAttention`
-its batch-invariant form (`specjax.invariant`, `load_model`'s default at bf16 / int8 weights); `KernelAttention(impl)`
+its batch-invariant form (`specjax.models.invariant`, `load_model`'s default at bf16 / int8 weights); `KernelAttention(impl)`
 the Pallas tree-attention kernel (`pallas_kernels.ops.tree_attention`). `for_impl(name)` maps a
 model's `attention_impl` (`transformer.set_attention_impl`) to one of them.
 """
@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops  # only models that select a kernel import Pallas
-from specjax import invariant, kvcache
-from specjax.invariant import MIN_QUERIES
-from specjax.kvcache import KVCache
+from specjax.models import invariant, kvcache
+from specjax.models.invariant import MIN_QUERIES
+from specjax.models.kvcache import KVCache
 from specjax.typing import Array, BlockMask, Float, Positions
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def cos_sin(inv_freq, positions_BxT: Positions, table: int | None = None):
     trace time; `inv_freq` must be concrete) and the rows are gathered (positions must be < N): the
     values then do not depend on the block's shape. XLA:CPU evaluates a fused cos / sin with its
     vectorised or its scalar routine depending on the shape, which can differ in the last bit
-    (`specjax.invariant`)."""
+    (`specjax.models.invariant`)."""
     if table is not None:
         with jax.ensure_compile_time_eval():  # a constant of the program: computed once, here
             cos_NxD, sin_NxD = cos_sin(jnp.asarray(inv_freq), jnp.arange(table, dtype=jnp.int32)[None])
@@ -189,7 +189,7 @@ class KernelAttention:
 
 @dataclasses.dataclass(frozen=True)
 class InvariantAttention:
-    """Batch-invariant softmax attention (`specjax.invariant.attend`): a query gets the same bits
+    """Batch-invariant softmax attention (`specjax.models.invariant.attend`): a query gets the same bits
     decoded alone or verified in any block or tree. Each query's visible slots are compacted once per
     forward. What `load_model` selects by default for a target at bfloat16 / int8 weights.
     `invariant`: the forward takes RoPE's cos / sin from a table over the cache's slots (`cos_sin`)

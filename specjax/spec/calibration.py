@@ -20,7 +20,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.tree import ROW_KINDS
+from specjax.spec.tree import ROW_KINDS
 
 
 @dataclasses.dataclass(frozen=True)

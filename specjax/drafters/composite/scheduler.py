@@ -33,7 +33,7 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from specjax.tree import TreeBuffers
+from specjax.spec.tree import TreeBuffers
 
 FEATURE_LAYOUT = "treegraft-features-v1"
 FEATURE_DEPTH = 8  # depths 1..8 get top-1 / entropy features; deeper nodes are ignored

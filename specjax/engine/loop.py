@@ -15,14 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sampling, sharding
-from specjax import tree as tree_lib
-from specjax import verify as verify_lib
+from specjax.spec import sampling
+from specjax.models import sharding
+from specjax.spec import tree as tree_lib
+from specjax.spec import verify as verify_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.models import family
 from specjax.models.transformer import Model
-from specjax.sampling import SamplingParams
-from specjax.sharding import BATCH, REPLICATED
+from specjax.spec.sampling import SamplingParams
+from specjax.models.sharding import BATCH, REPLICATED
 from specjax.typing import Array, Bool, Int
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so lengths share compiles
@@ -96,7 +97,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_t
     return PreparedBatch(tokens, lengths, capacity)
 
 
-def _eos_array(model: Model, eos_token_id) -> np.ndarray:
+def eos_array(model: Model, eos_token_id) -> np.ndarray:
     if eos_token_id is None:
         ids = model.config.eos_ids
     elif isinstance(eos_token_id, (int, np.integer)):
@@ -122,11 +123,11 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     With `drafters`, each round drafts a tree (`tree`: a spec string, path list or TreeSpec) and
     verifies it with `verify` ("greedy" at temperature 0; "deterministic" — the default when
     sampling —, "sampled" or "sampled_noreplace"); verify="margin" with `margin=δ` is AdaptiveSpec's
-    lossy margin rule (opt-in, never a default; the result says `lossless=False`; see `specjax.verify`).
+    lossy margin rule (opt-in, never a default; the result says `lossless=False`; see `specjax.spec.verify`).
     A recurrent (hybrid) target verifies a tree with a per-node state buffer; `state_budget_bytes`
     bounds it (see `check_state_budget`; default: the larger of 1 GiB and the committed cache).
 
-    `mesh` (a `jax.sharding.Mesh` with axes `data` and/or `model`, `specjax.sharding.make_mesh`) runs
+    `mesh` (a `jax.sharding.Mesh` with axes `data` and/or `model`, `specjax.models.sharding.make_mesh`) runs
     the same one program sharded (design §10): the target's and the drafter's parameters by their
     families' partition tables (tensor parallel over `model`), the batch rows over `data` (the batch
     must be a multiple of its size), the caches, drafter state and tree buffers pinned to match every
@@ -134,7 +135,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     `sharding.initialize_distributed`) works alike: every process calls `generate` with the same arguments.
     """
     sampling.validate(temperature, top_k, top_p)
-    eos = _eos_array(model, eos_token_id)
+    eos = eos_array(model, eos_token_id)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
     if drafters:
@@ -318,7 +319,7 @@ class RoundPlan:
 def plan_rounds(model: Model, drafter: Drafter, tree, verify, temperature: float, margin=None) -> RoundPlan:
     """What every speculative loop checks and decides on the host before tracing: the drafter's
     vocabulary, its resolved tree, the rule, the drafter's own refusals and the scratch it needs.
-    `generate` and `treegraft.RoundStepper` both start from it."""
+    `generate` and `stepper.RoundStepper` both start from it."""
     V = model.config.vocab_size
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "
@@ -342,7 +343,7 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
                           state_budget_bytes=None, mesh=None) -> GenerationResult:
     if len(drafters) > 1:
         raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
-                         "specjax.treegraft.TreeGraft(cheap, strong, policy=...)")
+                         "specjax.drafters.composite.treegraft.TreeGraft(cheap, strong, policy=...)")
     drafter = drafters[0]
     if not isinstance(drafter, Drafter):
         raise ValueError(f"a drafter must subclass specjax.drafters.Drafter (the drafter contract), got "

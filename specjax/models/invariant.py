@@ -25,7 +25,7 @@ module removes the sources of that difference outside the matmuls:
   cos / sin) with a vectorised routine in a loop's body and another in its remainder, so an
   element's bits depend on the array's shape. `rms_normalize` divides by a square root (exactly
   rounded everywhere), `exp` is built from adds and multiplies, and RoPE's cos / sin come from a
-  table over the cache's slots (`specjax.attention.cos_sin(table=)`).
+  table over the cache's slots (`specjax.models.attention.cos_sin(table=)`).
 
 One-query calls are padded to `MIN_QUERIES` = 2 rows (XLA:CPU compiles a one-row fusion
 differently; two rows onwards give every row identical bits). `tests/test_invariant.py` checks
@@ -121,7 +121,7 @@ def attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, visible_BxTxC) -> jax.Array:
     on any BLAS kernel), the scores' max order-free, `exp` bit-built, the weights e_c * v_scale_c /
     v_scale_max as `_W_BITS`-bit integers split into base-2^b digits with 2^b * 127 * C < 2^24 (one
     float32 matmul per digit against V as int8 levels: exact), the normaliser an int32 sum. Masked
-    slots give exact zeros, so no view needs gathering. Equals `specjax.attention.attend` to the
+    slots give exact zeros, so no view needs gathering. Equals `specjax.models.attention.attend` to the
     quantisation of q, k, v (per slot and head) and the weights (GQA: H = K * G)."""
     B, T, H, D = q_BxTxHxD.shape
     C, K = k_BxCxKxD.shape[1], k_BxCxKxD.shape[2]

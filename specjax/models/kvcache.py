@@ -35,7 +35,7 @@ class KVCache:
 
 def partition(cache: KVCache) -> KVCache:
     """The cache's layout on a (data, model) mesh (design §10): rows over `data`, KV heads over
-    `model` (as the attention heads that write them); `specjax.sharding` fits it to the shapes."""
+    `model` (as the attention heads that write them); `specjax.models.sharding` fits it to the shapes."""
     kv = P(None, "data", None, "model", None)
     return KVCache(k=kv, v=kv, length=P("data"))
 

@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import kvcache
+from specjax.models import kvcache
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -100,7 +100,7 @@ def check_mesh(mesh) -> Mesh:
     """The mesh, checked (ValueError), with every axis of type Auto: shardings inside the program
     are XLA's to propagate (GSPMD) from the pinned ones, not part of the array types."""
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (see specjax.sharding.make_mesh), got {type(mesh).__name__}")
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (see specjax.models.sharding.make_mesh), got {type(mesh).__name__}")
     unknown = set(mesh.axis_names) - set(AXES)
     if unknown:
         raise ValueError(f"mesh axes must be among {AXES}, got {mesh.axis_names}")

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import engine
-from specjax import fold as fold_lib
-from specjax import tree as tree_lib
+from specjax.engine import loop as engine
+from specjax.models import fold as fold_lib
+from specjax.spec import tree as tree_lib
 from specjax.drafters.base import DraftContext
 from specjax.models import family
-from specjax.sampling import SamplingParams
+from specjax.spec.sampling import SamplingParams
 
 
 def attention_diagnostics(target, drafter, prompts, *, seed: int = 0) -> dict:

@@ -32,7 +32,7 @@ positions as the design asks (they are attention sinks: their content, not their
 what a head reads).
 
 Un-rotated keys. FOLD must re-position keys, so a FOLD drafter caches keys BEFORE RoPE. FOLD is
-an attention object (`FoldAttention`, a `specjax.attention.Attention` with `rotates = True`) that
+an attention object (`FoldAttention`, a `specjax.models.attention.Attention` with `rotates = True`) that
 the drafter passes to its forwards: `transformer.forward(..., attention=)` (the LM drafter;
 `prefill` here runs its prompt in chunks through it) and `feature.step(..., attention=)` (the
 feature drafter). The drafter keeps its `FoldConfig` as a static attribute (`drafter.fold`; the
@@ -72,8 +72,8 @@ import jax.numpy as jnp
 from pallas_kernels import ops
 from pallas_kernels import reference as ref
 from pallas_kernels.ops import fold_beta
-from specjax import kvcache
-from specjax.attention import rope_inv_freq, rotate
+from specjax.models import kvcache
+from specjax.models.attention import rope_inv_freq, rotate
 from specjax.models import transformer
 
 # Segment ids of the far-memory kernel (= pallas_kernels.reference.SEG_*).
@@ -294,7 +294,7 @@ def fold_attention(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, length_B, q_pos_BxT, mask_Bx
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FoldAttention:
-    """FOLD as a forward's attention (a `specjax.attention.Attention`): q and k reach it un-rotated
+    """FOLD as a forward's attention (a `specjax.models.attention.Attention`): q and k reach it un-rotated
     (`rotates`: the cache holds keys before RoPE), and every layer computes `fold_attention` over
     its cache with the policy's segments, positions and beta computed once per forward (`bind`).
 

@@ -3,7 +3,7 @@
     ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")   # HF config dict, HF-named f32 tensors, tokenizer
     convert_gguf(path, out_dir)                             # config.json, model.safetensors, tokenizer*.json
 
-`specjax.checkpoint.load_model("x.gguf")` reads through here; `python -m specjax convert FILE.gguf OUT_DIR`
+`specjax.io.checkpoint.load_model("x.gguf")` reads through here; `python -m specjax convert FILE.gguf OUT_DIR`
 writes a Hugging Face directory that `load_model` and transformers both read.
 
 What a GGUF changes and this undoes:

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import tree as tree_lib
+from specjax.spec import tree as tree_lib
 from specjax.drafters.base import SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal
 
 MODEL = 1  # TreeBuffers.source of the model drafter's nodes (the match drafter's: 0)

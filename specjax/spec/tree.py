@@ -1,5 +1,5 @@
 """The draft tree: padded static buffers (design §2) and everything derived from them; the specs
-(static, dynamic, best-first) are in `specjax.tree_spec` and re-exported here.
+(static, dynamic, best-first) are in `specjax.spec.tree_spec` and re-exported here.
 
 A tree holds at most N nodes per row, node 0 the root (the last emitted token, whose target K/V is
 not in the cache yet). Nodes are in topological order (parent < child), so ancestry and paths are
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.tree_spec import (ROW_KINDS, SELECTS, BestFirstTree, DynamicTree, StaticTree,  # noqa: F401
+from specjax.spec.tree_spec import (ROW_KINDS, SELECTS, BestFirstTree, DynamicTree, StaticTree,  # noqa: F401
                                TreeSpec, chain, is_chain, parse_tree_spec, validate_paths)
 from specjax.typing import Array, Bool, Float, Int
 

@@ -60,10 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import tree as tree_lib
-from specjax import widths as widths_lib
+from specjax.spec import tree as tree_lib
+from specjax.spec import widths as widths_lib
 from specjax.drafters.base import SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal, StopRule
-from specjax.taps import isotonic, json_freeze, read_json_beside
+from specjax.spec.calibration import isotonic, json_freeze, read_json_beside
 from specjax.typing import Array, Float, Int
 
 DEFAULT_DECAY = 0.7  # EMA weight of the past per round (the row's history correction)

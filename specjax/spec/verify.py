@@ -27,9 +27,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
-from specjax.sampling import SamplingParams
-from specjax.tree import TreeBuffers
+from specjax.spec import sampling
+from specjax.spec.sampling import SamplingParams
+from specjax.spec.tree import TreeBuffers
 from specjax.typing import Array, Float, Int
 
 Rule = Literal["greedy", "deterministic", "sampled", "sampled_noreplace", "margin"]

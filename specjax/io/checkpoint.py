@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save, save_file
 from tokenizers import Tokenizer
 
-from specjax.checkpoint_gguf import build_tokenizer, read_gguf, read_metadata
+from specjax.io.gguf import build_tokenizer, read_gguf, read_metadata
 from specjax.models.config import HybridConfig, ModelConfig, read_config
 from specjax.models import quant, transformer
 from specjax.models.hybrid import HybridModel
@@ -186,13 +186,13 @@ def _to_numpy_f32(t: np.ndarray) -> np.ndarray:
 def load_model(path: str, *, dtype=jnp.float32, weights: str = "float32", invariant: bool | None = None) -> Model | HybridModel:
     """Loads a Llama / Qwen2 / Qwen3 (`Model`) or a dense-MLP Qwen3-Next (`HybridModel`)
     checkpoint in Hugging Face format (no torch needed), or a Llama / Qwen2 / Qwen3 GGUF file
-    (`path` ending in .gguf: dequantized to `dtype`, see `specjax.checkpoint_gguf`).
+    (`path` ending in .gguf: dequantized to `dtype`, see `specjax.io.gguf`).
 
     `weights`: the projections' storage dtype, "float32" (as stored), "bfloat16" or "int8" (one
     scale per output channel); activations stay in `dtype` (`specjax.models.quant`). Not
     bit-exact with float32: compare a speculative run with AR at the same `weights`.
 
-    `invariant`: the batch-invariant attention (`specjax.invariant`; attention impl "invariant").
+    `invariant`: the batch-invariant attention (`specjax.models.invariant`; attention impl "invariant").
     With bfloat16 / int8 weights a speculative run then equals AR at the same weights token for
     token, trees included. None (the default): on exactly when `weights` is not float32, so a
     quantised target's speculative output is its own AR output unless `invariant=False` is asked

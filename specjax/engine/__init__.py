@@ -1,0 +1,7 @@
+"""The engine: `generate` and its one jitted loop (`loop`), single rounds driven from the host
+(`stepper`), and FOLD's attention diagnostics over a generation (`fold_diagnostics`).
+
+Layer: the top of the library (below the CLI); imports drafters, models and spec, never the reverse."""
+from specjax.engine.loop import GenerationResult, generate, trace_count
+
+__all__ = ["GenerationResult", "generate", "trace_count"]
