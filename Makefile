@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install demo report models clean smollm2 smollm2-drafter
+.PHONY: test install demo report bench models clean smollm2 smollm2-drafter
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,8 +21,14 @@ test: install
 demo: install
 	$(BIN)/python -m tools.demo
 
-# docs/benchmarks.md, bench/headline.png and README's headline table from bench/*.json (after a bench run).
+# docs/benchmarks.md (the history: every results file) and bench/history.png from bench/*.json.
 report: install
+	$(BIN)/python -m tools.report
+
+# The README's headline table: one run on this machine, both targets, one process each (AR, each shipped
+# drafter at its recorded settings, the composites); bench/headline.{md,json,png}. Builds SmolLM2 first.
+bench: install smollm2
+	$(BIN)/python -m tools.headline
 	$(BIN)/python -m tools.report
 
 # Reproduces the zoo (hours on a 2-core CPU; resumable: rerun the same command to continue).

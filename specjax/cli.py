@@ -38,15 +38,14 @@ import specjax
 from specjax.spec import profile as profile_lib
 from specjax.spec import sampling
 from specjax.models import sharding
-from specjax.drafters.composite import treegraft
 from specjax.spec import tree as tree_lib
 from specjax.spec import widths as widths_lib
-from specjax.drafters.composite.adaptive import AdaptiveShape, read_calibration
-from specjax.drafters.composite.switch import Switch
+from specjax.drafters.composite.adaptive import AdaptiveShape
+from specjax.spec.calibration import STEP, read_calibration
 from specjax.io.chat import check_messages, render_chat
 from specjax.io.gguf import convert_gguf
 from specjax.io.compile_cache import enable_compilation_cache
-from specjax.drafters import BlockDrafter, block, load_drafter
+from specjax.drafters import block, compose
 from specjax.drafters.block import parse_confidence
 from specjax.models.fold import FoldConfig
 from specjax.spec.profile import default_profile_name
@@ -140,6 +139,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default=None, choices=("float32", "bfloat16", "int8"),
                    help="storage dtype of the learned drafters' own networks' projections (weight-only, as --weights "
                         "for the target; lossless whatever it is: the target verifies); default: float32")
+    p.add_argument("--untuned", action="store_true",
+                   help="ignore the drafter directory's recorded defaults (tuned.json: tree, draft vocabulary, own "
+                        "weight dtype, tuned on validation prompts); without it each one not given is taken from there")
     p.add_argument("--boundaries", type=int, default=None, metavar="B",
                    help="a DPara drafter's chain precomputes only its first B acceptance boundaries beside the "
                         "verification (the rest after it, in the rounds that reach them); default: every one")
@@ -166,10 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding of language models in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     gen = sub.add_parser("generate", help="generate completions for one prompt or a JSONL batch",
+                         usage="specjax generate --model DIR (--prompt TEXT | --prompt-file FILE.jsonl) [options] "
+                               "(specjax generate -h lists them)",
                          description="Generate completions with specjax.generate (one compiled program per batch shape).")
     add_generate_args(gen)
     gen.set_defaults(run=run_generate, subparser=gen)
     conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model directory",
+                          usage="specjax convert FILE.gguf OUT_DIR [--dtype float32|bfloat16]",
                           description="Dequantize a GGUF checkpoint (llama / qwen2 / qwen3) into config.json, "
                                       "model.safetensors, tokenizer.json and tokenizer_config.json (specjax.io.gguf).")
     conv.add_argument("gguf", metavar="FILE.gguf")
@@ -298,6 +303,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
     mesh = mesh_arg(args.mesh)  # a bad --mesh too (and several processes join here, before any device is used)
     fold = fold_config(args)  # a bad --fold is refused before anything loads
+    stack = drafter_stack(args)  # and so are drafter flags that do not go together
     compile_cache(args)  # before the first compile (loading compiles small programs too)
 
     try:
@@ -307,48 +313,18 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot load the model: {e}") from None
     cfg = model.config
     confidence, costs = confidence_args(args, n_prompts=len(sources))
-    try:
-        # FOLD applies to drafters with attention; next to another drafter (TreeGraft) n-gram keeps its own.
-        drafters = [load_drafter(d, model, fold=None if len(args.drafter) > 1 and d.startswith("ngram") else fold,
-                                target_path=args.model, confidence=confidence, costs=costs,
-                                draft_vocab=None if d.startswith("ngram") else args.draft_vocab,
-                                draft_weights=None if d.startswith("ngram") else args.draft_weights)
-                    for d in args.drafter]
+    try:  # each option reaches the drafters that take it (`compose.load_parts`)
+        drafters = compose.load_parts(args.drafter, model, target_path=args.model, tuned=not args.untuned, fold=fold,
+                                      confidence=confidence, costs=costs, draft_vocab=args.draft_vocab,
+                                      draft_weights=args.draft_weights)
     except (OSError, ValueError) as e:
         raise UsageError(f"--drafter: {e}") from None
-    if args.boundaries is not None:
-        if len(drafters) != 1 or not isinstance(drafters[0], BlockDrafter) or not drafters[0].head.config.boundary:
-            raise UsageError("--boundaries is a DPara drafter's option: give one DPara --drafter")
-        d = drafters[0]
+    if stack is not None:
         try:
-            drafters = [BlockDrafter(d.head, model, confidence=d.confidence, costs=d.costs, widths=d.widths,
-                                     path_calibration=d.path_calibration, boundaries=args.boundaries)]
-        except ValueError as e:
-            raise UsageError(f"--boundaries: {e}") from None
-    if args.treegraft is not None and (args.switch is not None or args.switch_tree is not None):
-        raise UsageError("--treegraft and --switch combine the two --drafter flags in different ways: give one")
-    if args.treegraft is not None:
-        if len(drafters) != 2:
-            raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {len(drafters)}")
-        try:
-            drafters = [treegraft.build(drafters, args.treegraft, specs=args.drafter, cheap_tree=args.cheap_tree,
-                                        graft_nodes=args.graft_nodes)]
+            drafters = [compose.build(stack, drafters)]
         except (OSError, ValueError) as e:
-            raise UsageError(f"--treegraft {args.treegraft}: {e}") from None
-    elif args.switch is not None:
-        if len(drafters) != 2:
-            raise UsageError(f"--switch combines exactly two --drafter flags (ngram, then a model drafter), got {len(drafters)}")
-        try:
-            drafters = [Switch(*drafters, model_tree=args.switch_tree or "chain=3", min_match=args.switch)]
-        except ValueError as e:
-            raise UsageError(f"--switch: {e}") from None
-    elif len(drafters) > 1:
-        raise UsageError("--drafter: several drafters share one tree only under TreeGraft or Switch: "
-                         "add --treegraft SCHEDULER_DIR|always|never or --switch MIN_MATCH")
-    if args.treegraft is None and (args.cheap_tree is not None or args.graft_nodes is not None):
-        raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
-    if args.switch is None and args.switch_tree is not None:
-        raise UsageError("--switch-tree needs --switch")
+            flag = {"treegraft": f"--treegraft {args.treegraft}", "switch": "--switch", None: "--boundaries"}
+            raise UsageError(f"{flag[stack.composite]}: {e}") from None
     if args.adaptive:
         drafters = [adaptive_drafter(args, drafters, len(sources))]
 
@@ -413,7 +389,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "cache_hits": timing["cache_hits"],
                 "wall_s": round(wall, 4),
                 "warmup": bool(args.warmup),
-                **spec_stats(result, i),
+                **spec_stats(result, i, drafters[0] if drafters else None),
             }, ensure_ascii=False), flush=True)
     else:
         for i, s in enumerate(seqs):
@@ -425,6 +401,34 @@ def run_generate(args: argparse.Namespace) -> int:
               f"compilation cache), wall {wall:.2f} s",
               file=sys.stderr)
     return 0
+
+
+def drafter_stack(args: argparse.Namespace):
+    """The `compose.Stack` the drafter flags describe (None: the one --drafter as loaded)."""
+    if args.treegraft is not None and (args.switch is not None or args.switch_tree is not None):
+        raise UsageError("--treegraft and --switch combine the two --drafter flags in different ways: give one")
+    if args.treegraft is None and (args.cheap_tree is not None or args.graft_nodes is not None):
+        raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
+    if args.switch is None and args.switch_tree is not None:
+        raise UsageError("--switch-tree needs --switch")
+    n = len(args.drafter)
+    if args.boundaries is not None:
+        if n != 1 or args.treegraft is not None or args.switch is not None:
+            raise UsageError("--boundaries is a DPara drafter's option: give one DPara --drafter")
+        return compose.Stack.make(args.drafter, boundaries=args.boundaries)
+    if args.treegraft is not None:
+        if n != 2:
+            raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {n}")
+        return compose.Stack.make(args.drafter, "treegraft", policy=args.treegraft, cheap_tree=args.cheap_tree,
+                                  graft_nodes=args.graft_nodes)
+    if args.switch is not None:
+        if n != 2:
+            raise UsageError(f"--switch combines exactly two --drafter flags (ngram, then a model drafter), got {n}")
+        return compose.Stack.make(args.drafter, "switch", min_match=args.switch, model_tree=args.switch_tree)
+    if n > 1:
+        raise UsageError("--drafter: several drafters share one tree only under TreeGraft or Switch: "
+                         "add --treegraft SCHEDULER_DIR|always|never or --switch MIN_MATCH")
+    return None
 
 
 def chat_prompts(args: argparse.Namespace, sources) -> list[str]:
@@ -546,7 +550,7 @@ def _parse_conf(conf: str):
 def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
     """--adaptive: the one drafter wrapped in `AdaptiveShape`, its costs from --verify-profile at the
     widths of the resolved --tree (`specjax.spec.widths.adaptive_widths`), with the drafter directory's
-    `adaptive_calibration.json` when it has one."""
+    `calibration.json` ("step" table) when it has one."""
     if len(drafters) != 1:
         raise UsageError("--adaptive shapes one drafter's tree: pass exactly one --drafter")
     d = drafters[0]
@@ -568,6 +572,7 @@ def adaptive_drafter(args: argparse.Namespace, drafters: list, n_prompts: int):
         row = profile["rows"][str(profile_lib.profile_batch(profile, n_prompts))]
         step = float(row["draft_s"]) / spec.max_depth if "draft_s" in row else None  # a chain may stop early
         cal = read_calibration(args.drafter[0]) if os.path.isdir(args.drafter[0]) else None
+        cal = cal if cal is not None and STEP in cal.kinds() else None  # a TAPS-only file: no prior
         return AdaptiveShape(d, costs, calibration=cal, draft_step_s=step)
     except ValueError as e:
         raise UsageError(f"--adaptive: {e} (make a profile with `{make}`)") from None
@@ -585,8 +590,9 @@ def find_verify_profile(model_path: str) -> str | None:
     return None
 
 
-def spec_stats(result, row: int) -> dict:
-    """Per-prompt speculative statistics for --json (empty for autoregressive runs)."""
+def spec_stats(result, row: int, drafter=None) -> dict:
+    """Per-prompt speculative statistics for --json (empty for autoregressive runs); a drafter's own
+    sections (a composite's: `Drafter.report`) beside them."""
     if "tau" not in result.stats:
         return {}
     st = result.stats
@@ -597,18 +603,8 @@ def spec_stats(result, row: int) -> dict:
         out["mean_verify_width"] = round(float(st["mean_verify_width"][row]), 4)
     if "drafted" in st:  # a block drafter's draft positions proposed after its cuts (per round: / rounds)
         out["drafted"] = int(st["drafted"][row])
-    if "treegraft_invoked" in st:
-        rounds = max(int(st["rounds"][row]), 1)
-        out["treegraft"] = {
-            "invoked": int(st["treegraft_invoked"][row]),  # rounds where the strong drafter ran
-            "invoke_rate": round(int(st["treegraft_invoked"][row]) / rounds, 4),
-            "grafted_proposed": int(st["treegraft_grafted_proposed"][row]),  # grafted nodes verified
-            "grafted_accepted_paths": int(st["treegraft_grafted_paths"][row]),  # accepted paths through a graft
-            "grafted_accepted_tokens": int(st["treegraft_grafted_tokens"][row])}
-    if "switch_model_rounds" in st:
-        rounds = max(int(st["rounds"][row]), 1)
-        out["switch"] = {"model_rounds": int(st["switch_model_rounds"][row]),  # rounds the model drafter drafted
-                         "model_round_share": round(int(st["switch_model_rounds"][row]) / rounds, 4)}
+    if drafter is not None:
+        out.update(drafter.report(st, row))
     return out
 
 

@@ -28,6 +28,7 @@ import specjax
 from helpers import (assert_first_two_follow, chi_square, next_logits, noisy_copy, noisy_lm_drafter, prefilled_state,
                      spread_target, tiny_target)
 from specjax.drafters.composite import adaptive as A
+from specjax.spec import calibration as C
 from specjax.engine import loop as engine
 from specjax.spec import tree as T, verify as V, widths as W
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
@@ -128,7 +129,7 @@ def test_accepted_nodes():
                          depth=jnp.asarray([[0, 1, 1, 2, 2]]), valid=jnp.ones((1, 5), bool),
                          score=jnp.zeros((1, 5)), source=jnp.zeros((1, 5), jnp.int8))
     c = Committed(tokens=jnp.asarray([[3, 8, 0]]), count=jnp.asarray([2]))
-    on, seen = A.accepted_nodes(tree, c)
+    on, seen = T.accepted_nodes(tree, c.tokens, c.count)
     assert np.asarray(on[0]).tolist() == [True, False, True, False, False]
     assert np.asarray(seen[0]).tolist() == [False, True, True, False, True]  # children of the root and of node 2
 
@@ -177,21 +178,31 @@ def test_deterministic_rule_on_an_adaptive_tree_is_lossless():
 
 
 def test_calibration_file_round_trip(tmp_path):
+    """The adaptive shape's table ("step") in the one calibration file, beside a TAPS table: each trainer
+    rewrites its own kind and keeps the other; the shape takes the "step" table only, of its cell grid."""
     rng = np.random.default_rng(0)
-    seen = rng.integers(0, 40, A.CELLS).astype(float)
-    hits = np.floor(seen * rng.uniform(size=A.CELLS))
-    cal = A.AcceptanceCalibration(tuple(seen), tuple(hits), (("drafter", "x"),))
-    (tmp_path / A.CALIBRATION_FILE).write_text(json.dumps(cal.to_json()))
-    back = A.read_calibration(str(tmp_path))
-    assert back.seen == cal.seen and back.hits == cal.hits and dict(back.info)["drafter"] == "x"
-    g = back.rates()
+    seen = rng.integers(0, 40, (A.DEPTHS, A.BINS)).astype(float)
+    hits = np.floor(seen * rng.uniform(size=(A.DEPTHS, A.BINS)))
+    g = C.fit_pooled_rates(seen, hits)
     assert g.shape == (A.DEPTHS, A.BINS) and np.all(np.diff(g, axis=1) >= -1e-12) and np.all((g >= 0) & (g <= 1))
-    assert A.read_calibration(str(tmp_path / "nothing")) is None
+    C.write_calibration(str(tmp_path), "markov", C.Table.make(np.ones((4, 10)), np.full((4, 10), 0.5)), command="taps")
+    C.write_calibration(str(tmp_path), C.STEP, C.Table.make(seen, g), drafter="x", kind="functions")
+    back = C.read_calibration(str(tmp_path))
+    assert set(back.kinds()) == {"markov", C.STEP}
+    made = C.json_thaw(dict(back.info)["made"])
+    assert made[C.STEP]["drafter"] == "x" and made["markov"]["command"] == "taps"
+    n, h = back.prior(C.STEP, 50.0)
+    np.testing.assert_allclose(np.asarray(h), np.clip(seen, 1, 50).reshape(-1) * g.reshape(-1), rtol=1e-6)
+    d = noisy_lm_drafter(VOCAB)
+    A.AdaptiveShape(d, (1.0, 2.0), calibration=back)  # its "step" table
+    with pytest.raises(ValueError, match="no 'step' table"):
+        A.AdaptiveShape(d, (1.0, 2.0), calibration=C.Calibration(((("markov"), back.table("markov")),)))
+    assert C.read_calibration(str(tmp_path / "nothing")) is None
     with pytest.raises(ValueError, match="within"):
-        A.AcceptanceCalibration(tuple(seen), tuple(seen + 1))
-    (tmp_path / A.CALIBRATION_FILE).write_text(json.dumps({"format": "other"}))
+        C.fit_pooled_rates(seen, seen + 1)
+    (tmp_path / C.FILE).write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a"):
-        A.read_calibration(str(tmp_path))
+        C.read_calibration(str(tmp_path))
 
 
 def test_refusals(dense):

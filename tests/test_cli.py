@@ -396,3 +396,14 @@ def test_mesh_flag(capsys, model_dir, loaded):
                        "--mesh: mesh 'data=2,tensor=4': expected axes")
     expect_usage_error(capsys, ["--model", model_dir, "--prompt", "hi", "--mesh", "data=2,model=4"],
                        "--mesh: a mesh of data=2 x model=4 needs 8 devices; 1 are available")
+
+
+def test_a_bad_value_prints_one_line_and_the_usage_line(capsys, model_dir):
+    """A bad value: the error naming it and the one-line usage, not the whole option list."""
+    for argv in (["--model", model_dir, "--prompt", "hi", "--top-p", "0"],
+                 ["--model", model_dir, "--prompt", "hi", "--weights", "int4"]):
+        expect_usage_error(capsys, argv, "")
+        with pytest.raises(SystemExit):
+            main(["generate", *argv])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("usage: specjax generate --model DIR"), lines

@@ -36,6 +36,11 @@ def test_worked_example_is_a_lossless_drafter():
     assert out.sequences() == ref == again.sequences()
     assert engine.trace_count() - before == 1
     assert (out.stats["repeat_rounds"] >= 1).all()
+    rounds = out.stats["repeat_rounds"]
+    assert drafter.report(out.stats, 1) == {"repeat": {"rounds": int(rounds[1])}}
+    assert drafter.report(out.stats) == {"repeat": {"rounds": int(rounds.sum())}}
+    with pytest.raises(ValueError, match="takes no option boundaries"):
+        drafter.with_options(boundaries=2)
     with pytest.raises(ValueError, match="chains only"):
         specjax.generate(target, prompts, max_new_tokens=4, drafters=[drafter], tree="depth=2,topk=2,nodes=4")
     with pytest.raises(ValueError, match="'repeat' drafter takes no confidence cut"):

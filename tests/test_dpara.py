@@ -22,7 +22,7 @@ from flax import nnx
 import specjax
 from helpers import full_features, tiny_target, train_block_on_own_outputs
 from specjax.drafters.base import Committed
-from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, train_logits
+from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, DParaDrafter, train_logits
 from specjax.models import family
 
 VOCAB = 64
@@ -48,7 +48,7 @@ def test_boundary_pass_equals_training_pass():
     target = tiny_target(VOCAB)
     cfg = BlockConfig.for_target(target.config, block_size=W, num_layers=2, markov_rank=8, boundary=True)
     head = BlockHead(cfg, nnx.Rngs(3))
-    d = BlockDrafter(head, target)
+    d = DParaDrafter(head, target)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
     feats = full_features(target, toks, cfg.target_layers)
@@ -89,18 +89,18 @@ def test_greedy_equals_autoregressive(trained):
     taus = []
     for conf, tree, b in runs:
         got = specjax.generate(target, prompts, max_new_tokens=24,
-                               drafters=[BlockDrafter(head, target, confidence=conf, boundaries=b)], tree=tree)
+                               drafters=[DParaDrafter(head, target, confidence=conf, boundaries=b)], tree=tree)
         assert got.sequences() == ref, (conf, tree, b)
         taus.append(float(np.mean(got.stats["tau"])))
     assert max(taus) > 1.3  # the boundary blocks draft: tokens are accepted
-    one = specjax.generate(target, prompts[1:2], max_new_tokens=24, drafters=[BlockDrafter(head, target)])
+    one = specjax.generate(target, prompts[1:2], max_new_tokens=24, drafters=[DParaDrafter(head, target)])
     assert one.sequences() == ref[1:2]
 
 
 def test_one_trace_per_configuration(trained):
     from specjax.engine import loop as engine
     target, head, data = trained
-    d = BlockDrafter(head, target)
+    d = DParaDrafter(head, target)
     before = engine.trace_count()
     for n in (6, 9):
         specjax.generate(target, [data[0, :n].tolist()], max_new_tokens=16, drafters=[d])
@@ -111,7 +111,7 @@ def test_refusals(trained):
     from specjax.drafters.composite.adaptive import AdaptiveShape
     from specjax.drafters.composite.treegraft import TreeGraft
     target, head, _ = trained
-    d = BlockDrafter(head, target)
+    d = DParaDrafter(head, target)
     dspark = BlockDrafter(BlockHead(dataclasses.replace(head.config, boundary=False, ar_intermediate=0), nnx.Rngs(0)),
                           target)
     with pytest.raises(ValueError, match="TreeGraft grafts a new tree"):
@@ -127,8 +127,10 @@ def test_refusals(trained):
             specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafters=[d], tree="ddtree,nodes=4")
     with pytest.raises(ValueError, match="score another drafter's tree"):
         d.score(None, None)
-    with pytest.raises(ValueError, match="boundaries"):
-        BlockDrafter(dspark.head, target, boundaries=2)
+    with pytest.raises(ValueError, match="takes no option boundaries"):  # a DSpark drafter has none
+        dspark.with_options(boundaries=2)
+    with pytest.raises(ValueError, match="needs DParaDrafter"):  # a DPara head is DParaDrafter's
+        BlockDrafter(head, target)
 
 
 def test_boundaries_beyond_the_precomputed_ones_give_the_same_block():
@@ -150,7 +152,7 @@ def test_boundaries_beyond_the_precomputed_ones_give_the_same_block():
 
 def after_a_round(head, target, toks, pre, feats, b):
     """The block a commit selects after a round rooted at position 12 accepted 3 of toks[13:17]."""
-    d = BlockDrafter(head, target, boundaries=b)
+    d = DParaDrafter(head, target, boundaries=b)
     st = d.init(toks, jnp.asarray([12]), 64, pre)
     n = 5 if b is None else b
     chain = jnp.tril(jnp.ones((1, 5, 5), bool))[:, :n, :n]

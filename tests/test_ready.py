@@ -28,7 +28,8 @@ from specjax.engine import loop as engine
 from specjax.spec import verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import Committed, DraftContext
-from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead, load_block_head, save_block_head, train_logits
+from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, ReadyDrafter, load_block_head, save_block_head,
+                                    train_logits)
 from specjax.models import family, hybrid
 from specjax.spec.sampling import SamplingParams
 from specjax.spec.tree import parse_tree_spec
@@ -89,7 +90,7 @@ def test_prefix_states_are_the_committed_states(target):
 def test_drafting_pass_equals_training_pass(target):
     cfg = _ready_cfg(target.config)
     head = _loud(BlockHead(cfg, nnx.Rngs(3)))
-    d = BlockDrafter(head, target)
+    d = ReadyDrafter(head, target)
     assert d.head.config.reads_state and cfg.state_layers == (0, 2) and d.state_index == (0, 1)
     fam = family(target)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 40)), jnp.int32)
@@ -136,7 +137,7 @@ def test_a_fresh_reader_adds_nothing_and_a_zeroed_state_reads_nothing(target):
                                         hidden_layers=ready.config.target_layers))(target)
 
     def block(head, **kw):
-        d = BlockDrafter(head, target, **kw)
+        d = BlockDrafter.for_config(head.config)(head, target, **kw)
         return np.asarray(jax.jit(lambda p: d.draft_block(d.init(toks, jnp.asarray([20, 11]), 40, p), toks[:, 5])[0])(pre))
 
     ref = block(dspark)
@@ -167,16 +168,16 @@ def test_greedy_equals_autoregressive(target, trained, batch):
     assert float(jnp.abs(head.reader.out[...]).max()) > 0  # the reader learned something
     prompts = [data[i, :n].tolist() for i, n in zip(range(batch), (6, 9, 7, 12))]
     ref = specjax.generate(target, prompts, max_new_tokens=24).sequences()
-    got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target)])
+    got = specjax.generate(target, prompts, max_new_tokens=24, drafters=[ReadyDrafter(head, target)])
     assert got.sequences() == ref
     assert got.stats["tau"].max() > 1.1
     if batch == 1:
         return
-    tree = specjax.generate(target, prompts, max_new_tokens=24, drafters=[BlockDrafter(head, target)],
+    tree = specjax.generate(target, prompts, max_new_tokens=24, drafters=[ReadyDrafter(head, target)],
                             tree=f"depth={W},topk=2,nodes=7")
     assert tree.sequences() == ref
     n0 = engine.trace_count()  # a new drafter object, other prompts of the same bucket: no retrace
-    specjax.generate(target, [p[::-1] for p in prompts], max_new_tokens=24, drafters=[BlockDrafter(head, target)])
+    specjax.generate(target, [p[::-1] for p in prompts], max_new_tokens=24, drafters=[ReadyDrafter(head, target)])
     assert engine.trace_count() == n0
 
 
@@ -185,7 +186,7 @@ def test_the_drafter_holds_the_targets_committed_state_round_by_round(target, tr
     every round the drafter's state is the state a prefill of the row's committed tokens leaves
     (prompt + emitted tokens but the last, the next round's root)."""
     head, data = trained
-    d = BlockDrafter(head, target)
+    d = ReadyDrafter(head, target)
     prompts = [data[0, :6].tolist(), data[1, :11].tolist()]
     pb = engine.prepare_prompts(prompts, VOCAB, 16, slack=3 * W + 4)
     spec, params, eos = parse_tree_spec(f"chain={W}"), SamplingParams.make(0.0), jnp.zeros((0,), jnp.int32)
@@ -226,7 +227,7 @@ def test_sampled_rule_is_lossless_and_a_q_without_the_state_read_is_caught():
     head.markov_out.set_value(jnp.asarray(rng.normal(size=(4, SV)) * 1.5, jnp.float32))
     head.markov_embed.set_value(jnp.asarray(rng.normal(size=(SV, 4)), jnp.float32))
     head.reader.out.set_value(jnp.asarray(rng.normal(size=head.reader.out.get_value().shape) * 3.0, jnp.float32))
-    d = BlockDrafter(head, target)
+    d = ReadyDrafter(head, target)
     prompt, root = [1, 5, 2, 6, 3], 3
     fam = family(target)
     pre = jax.jit(lambda m: fam.prefill(m, jnp.asarray([prompt]), jnp.asarray([5]), fam.init_cache(m, 1, 16),
@@ -293,14 +294,14 @@ def test_refusals_and_checkpoint_round_trip(target, tmp_path):
     head = BlockHead(cfg, nnx.Rngs(0))
     other = hybrid.init_model(dataclasses.replace(HYBRID, linear_key_head_dim=4), seed=0)
     with pytest.raises(ValueError, match="states of shape"):
-        BlockDrafter(head, other)
+        ReadyDrafter(head, other)
     swapped = hybrid.init_model(dataclasses.replace(HYBRID, layer_types=("linear_attention", "linear_attention",
                                                                          "full_attention")), seed=0)
     with pytest.raises(ValueError, match=r"layers \[2\] of the target are not Gated DeltaNet"):
-        BlockDrafter(head, swapped)
+        ReadyDrafter(head, swapped)
     dspark = BlockHead(BlockConfig.for_target(target.config, block_size=W, num_layers=1, markov_rank=8), nnx.Rngs(0))
-    with pytest.raises(ValueError, match="reads no target state"):
-        BlockDrafter(dspark, target, zero_state=True)
+    with pytest.raises(ValueError, match="takes no option zero_state"):  # the ablation is ReaDy's
+        BlockDrafter(dspark, target).with_options(zero_state=True)
     _loud(head)
     save_block_head(head, str(tmp_path / "ready"), dtype=jnp.float32)
     back = load_block_head(str(tmp_path / "ready"))

@@ -152,16 +152,18 @@ def test_bench_compile_smoke(tmp_path):
     assert "| lm chain=4 | warm |" in out.with_suffix(".md").read_text()
 
 
-def test_report_in_sync_with_bench_results():
-    """docs/benchmarks.md and README's headline block are what `python -m tools.report` writes from
-    bench/*.json (all the schemas there): rerun it after a bench run."""
-    from tools import report
+def test_report_and_headline_in_sync_with_bench_results():
+    """docs/benchmarks.md is what `python -m tools.report` writes from bench/*.json (all the schemas
+    there), and README's headline block what `python -m tools.headline --render` writes from the last
+    `make bench` run: rerun them after a bench run."""
+    from tools import headline, report
     assert report.main(["--check"]) == 0, "stale: run python -m tools.report"
+    assert headline.main(["--check"]) == 0, "stale: run python -m tools.headline --render"
 
 
 def test_harness_schema_read_by_report(tmp_path):
     """A file written by the harness carries the meta every bench records, and the report reads it:
-    its section, its row in the headline (with its date), README's block; --check sees a stale block."""
+    its section, its row in the best-row table (with its date); --check sees a stale page."""
     from tools import harness, report
     meta = harness.run_meta("bench", ["--smoke", "--methods", "lm chain=4"], setup="zoo: code-target", batch=1,
                             kind="functions")
@@ -175,19 +177,47 @@ def test_harness_schema_read_by_report(tmp_path):
     assert data["meta"]["command"] == "python -m tools.bench --smoke --methods 'lm chain=4'"
     assert "sequences" not in data["rows"][0] and "| lm chain=4 | 15.0 |" in md.read_text()
     assert f"date: {meta['date']}" in md.read_text() and "Command: `python -m tools.bench" in md.read_text()
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\nrest\n")
-    args = ["--bench", str(tmp_path / "bench"), "--doc", str(tmp_path / "doc.md"), "--readme", str(readme)]
+    doc = tmp_path / "doc.md"
+    args = ["--bench", str(tmp_path / "bench"), "--doc", str(doc)]
     assert report.main(args + ["--check"]) == 1
     assert report.main(args) == 0 and report.main(args + ["--check"]) == 0
-    text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith(f"{report.END}\nrest\n")
+    text = doc.read_text()
     assert "| code-target | lm drafter | `lm chain=4` | 3.00 | 1.50x |" in text and meta["date"] in text
     assert r"| code-target | Switch | `ngram\|lm chain=8\|chain=4\|3` | 4.00 | 1.80x |" in text  # its own row (| escaped)
-    assert "bench/headline.png" in text and (tmp_path / "bench" / "headline.png").stat().st_size > 0
-    assert "### bench_spec_x.json" in (tmp_path / "doc.md").read_text()
-    readme.write_text(text.replace("1.50x", "1.60x"))
+    assert "bench/history.png" in text and (tmp_path / "bench" / "history.png").stat().st_size > 0
+    assert "### bench_spec_x.json" in text
+    doc.write_text(text.replace("1.50x", "1.60x"))
     assert report.main(args + ["--check"]) == 1
+
+
+def test_headline_is_one_run(tmp_path, monkeypatch):
+    """`make bench`'s outputs from a target's headline file: bench/headline.{json,md,png} and README's block,
+    stamped with the run's CPU and date; every row's greedy check shown; --check sees a stale block. The
+    bench command of each target names its drafters at their recorded settings (no bench is run here)."""
+    from tools import harness, headline
+    monkeypatch.setattr(headline, "OUT", tmp_path)
+    meta = harness.run_meta("bench", ["--methods", "lm chain=6"], setup="zoo: code-target", batch=1, n_prompts=8,
+                            new_tokens=96, kind="functions")
+    check = {"exact": 8, "near_tie": 0, "mismatch": 0}
+    rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0, "speedup": 1.0},
+            {"method": "lm chain=6", "tokens_per_s": 15.0, "tau": 4.0, "speedup": 1.5, "check": check},
+            {"method": "ngram|feature@2048 chain=8|chain=5|3", "tokens_per_s": 20.0, "tau": 5.0, "speedup": 2.0,
+             "check": check, "model_round_share": 0.4}]
+    (tmp_path / "headline_code-target.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{headline.START}\nold\n{headline.END}\nrest\n")
+    assert headline.main(["--check", "--readme", str(readme)]) == 1
+    assert headline.main(["--render", "--readme", str(readme)]) == 0
+    assert headline.main(["--check", "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{headline.END}\nrest\n")
+    assert f"on {meta['cpu']}" in text and meta["date"][:10] in text
+    assert "| code-target | `lm chain=6` | 15.0 | 4.00 | 1.50x | 8 / 0 / 0 |" in text
+    assert r"`ngram\|feature@2048 chain=8\|chain=5\|3`" in text
+    assert (tmp_path / "headline.png").stat().st_size > 0 and "headline.png" in (tmp_path / "headline.md").read_text()
+    args, methods = headline.bench_command(headline.TARGETS[0], 8, 96)
+    assert methods[:2] == ["ar", "ngram chain=8"] and any(m.startswith("ngram|feature") for m in methods)
+    assert "--out" in args and "bench/headline_code-target" in args
 
 
 def test_bench_weights_and_peers_table_smoke(tmp_path):
@@ -232,6 +262,16 @@ def test_bench_weights_and_peers_table_smoke(tmp_path):
     assert {r["row"] for r in other} == {"our AR (int8)", "our n-gram (int8): ngram chain=6"}
     assert all(r["vs_f32_ar"] is None for r in other) and [r["vs_own_ar"] for r in other] == [1.0, 1.5]
     assert all(r["memory_bound_tokens_per_s"] is None for r in other)  # the bandwidth is another machine's
+    # two runs of one setting on one CPU: the table is the latest run's, not a union of both
+    (tmp_path / "b_old.json").write_text(json.dumps({"meta": {**meta, "date": "2026-01-01"}, "rows": [
+        {"method": "ar", "tokens_per_s": 9.0, "tau": 1.0, "temperature": 0.0},
+        {"method": "ngram chain=4", "tokens_per_s": 99.0, "tau": 2.0, "temperature": 0.0}]}))
+    (tmp_path / "b_new.json").write_text(json.dumps({"meta": {**meta, "date": "2026-02-01"}, "rows": rows}))
+    assert peers_table.main(["--bench", str(tmp_path / "b_new.json"), str(tmp_path / "b_old.json"),
+                             "--weights-bench", str(out.with_suffix(".json")), "--out", str(tmp_path / "peers3")]) == 0
+    rows3 = json.loads((tmp_path / "peers3.json").read_text())["rows"]
+    assert all(r["source"].endswith("b_new.json") for r in rows3)
+    assert not any("ngram chain=4" in r["row"] for r in rows3) and len([r for r in rows3 if r["row"].startswith("our AR")]) == 1
 
 
 def test_ablation_table_reads_runs_at_equal_steps_and_refuses_other_validation(tmp_path):

@@ -29,9 +29,10 @@ from specjax.engine import loop as engine
 from specjax.spec import tree as T, verify as V
 from specjax.drafters import load_drafter
 from specjax.drafters.base import DraftContext
+from specjax.drafters.block import best_first
 from specjax.drafters.block import (BlockConfig, BlockDrafter, BlockHead, ar_logits, load_block_head, markov_embed,
                                     position_logits, save_block_head)
-from specjax.spec.calibration import PathCalibration, fit_path_calibration
+from specjax.spec.calibration import Calibration, Table, fit_path_rates
 from specjax.spec.widths import budget_keep
 from specjax.models import family
 from specjax.spec.sampling import SamplingParams
@@ -106,7 +107,7 @@ def dense():
     nnx.update(tf, nnx.state(head, nnx.Param))  # the backbone: the trained head's parameters
     tf.ar_head.down.weight.set_value(0.1 * jax.random.normal(jax.random.key(2), tf.ar_head.down.weight.shape))
     table = np.clip(np.linspace(0.2, 0.95, 10)[None] * np.asarray([1.0, 0.9, 0.8, 0.7])[:, None], 0, 1)
-    cal = PathCalibration(tuple((k, tuple(map(tuple, table))) for k in ("marginal", "markov", "head")), 10)
+    cal = Calibration(tuple((k, Table.make(np.ones_like(table), table)) for k in ("marginal", "markov", "head")))
     return target, head, tf, cal, data
 
 
@@ -129,7 +130,7 @@ def test_tables_are_the_heads_rows(dense):
     blk = d.draft_block(st, root)
     # DDTree: each depth's row along the greedy chain
     spec = d.resolve_tree(T.parse_tree_spec("ddtree,nodes=8,k=3"))
-    tok, lq, child, depth = d.tables(blk, root, spec)
+    tok, lq, child, depth = best_first.tables(d.head, d.target, blk, root, spec)
     prev = root
     for p in range(W):
         row = jax.nn.log_softmax(position_logits(tf, blk.base[:, p], markov_embed(tf, prev)), -1)
@@ -147,7 +148,7 @@ def test_tables_are_the_heads_rows(dense):
     cand = [None] + [jax.lax.top_k(marg[p - 1], 3)[1] for p in range(1, W)]
     for rows in ("markov", "head"):
         spec = d.resolve_tree(T.parse_tree_spec(f"treeflash,nodes=8,m=3,k=3,rows={rows}"))
-        tok, lq, child, depth = d.tables(blk, root, spec)
+        tok, lq, child, depth = best_first.tables(d.head, d.target, blk, root, spec)
         assert tok.shape == (2, 1 + (W - 1) * 3, 3)
         np.testing.assert_array_equal(depth, [1] + [2] * 3 + [3] * 3 + [4] * 3)
         c = np.asarray(child)
@@ -255,12 +256,12 @@ def test_deterministic_rule_on_a_best_first_tree_is_lossless():
 
 # ----------------------------------------------------------------------------- calibration, checkpoints, refusals
 
-def test_path_calibration_fit():
+def test_path_rates_fit():
     rng = np.random.default_rng(0)
     q = rng.uniform(0, 1, 20000)
     d = rng.integers(1, 4, 20000)
     acc = rng.uniform(0, 1, 20000) < q * (1.0 - 0.1 * d)  # true g = q (1 - 0.1 d)
-    table, counts = fit_path_calibration(q, d, acc, depths=4, bins=10)
+    table, counts = fit_path_rates(q, d, acc, depths=4, bins=10)
     assert table.shape == (4, 10) and (np.diff(table, axis=1) >= 0).all()  # isotonic in q
     mid = (np.arange(10) + 0.5) / 10
     for k in range(3):
@@ -275,7 +276,7 @@ def test_treeflash_checkpoint_on_its_backbone_and_refusals(dense, tmp_path):
     bdir, tdir = tmp_path / "backbone", tmp_path / "treeflash"
     save_block_head(head, str(bdir))
     save_block_head(tf, str(tdir), backbone=str(bdir))
-    (tdir / "path_calibration.json").write_text(json.dumps(cal.to_json()))
+    (tdir / "calibration.json").write_text(json.dumps(cal.to_json()))
     raw = json.loads((tdir / "drafter_config.json").read_text())
     assert raw["backbone"] == "../backbone" and raw["backbone_sha256"] == weights_sha256(bdir)
     from safetensors.numpy import load_file

@@ -328,7 +328,7 @@ def test_rescoring_is_non_destructive(target, strong, cheap_lm):
         root = jnp.argmax(engine.last_logits(out.logits, lens), -1).astype(jnp.int32)
         prop = g.propose(dstate, root, ctx)
         own = g.cheap.propose(dstate.cheap, root, DraftContext(cspec, "topk", ctx.params, ctx.key))
-        return prop.tree, prop.scores, own.tree
+        return prop.tree, prop.state.pending.scores, own.tree
 
     for policy in ("always", "never"):
         tg.set_policy(policy)

@@ -49,13 +49,13 @@ import numpy as np
 
 import specjax
 from specjax.spec import tree as tree_lib
-from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, load_drafter
+from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, compose, load_drafter
 from specjax.spec.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
 from specjax.spec.widths import tree_widths
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_block_head,
                            smoke_models, time_generation, with_speedup, write_outputs)
 from tools.profile_widths import draft_seconds
-from train.lm import repo_relative  # paths written down relative to the repo
+from train.common import repo_relative  # paths written down relative to the repo
 
 DPARA_BOUNDARIES = (2, 4)  # DPara chains that precompute only the first b boundaries (the rest after the fact)
 BLOCK_TREE = (6, 4, 16)  # a block drafter's tree row: depth (at most its block), top-k, nodes
@@ -72,7 +72,6 @@ class Method:
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
     boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
-    switch: tuple | None = None  # 'MATCHES|MODEL': (the model drafter's tree, min_match) of `specjax.drafters.composite.switch`
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -94,14 +93,14 @@ def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, sche
         out += [Method(base, name, chain, confidence=conf, costs=costs),
                 Method(f"{base} T=1", name, chain, 1.0, confidence=conf, costs=costs),
                 Method(f"{base} T=1 sampled", name, chain, 1.0, verify="sampled", confidence=conf, costs=costs)]
-    if drafter.head.config.boundary:
+    if "boundaries" in drafter.RUN_OPTIONS:  # DPara
         out += [Method(f"{name} {chain} boundaries={b}", name, chain, boundaries=b)
                 for b in DPARA_BOUNDARIES if b < drafter.head.config.block_size]
-    if drafter.head.config.reads_state:
+    if "zero_state" in drafter.RUN_OPTIONS:  # ReaDy
         out += [Method(f"{name} {chain} zero-state", name, chain, zero_state=True),
                 Method(f"{name} {chain} zero-state T=1", name, chain, 1.0, zero_state=True)]
     half = drafter.head.config.block_size // 2
-    if half >= 2 and not drafter.head.config.reads_state:  # a shorter chain: verifies fewer tokens a round
+    if half >= 2 and "zero_state" not in drafter.RUN_OPTIONS:  # a shorter chain: verifies fewer tokens a round
         out.append(Method(f"{name} chain={half}", name, f"chain={half}"))
     depth = min(BLOCK_TREE[0], drafter.head.config.block_size)
     if depth < 2:  # a one-position block has no tree to speak of
@@ -152,7 +151,7 @@ def default_methods(drafters: dict, threshold: float = 0.5, schedule_costs: dict
             out.append(Method(f"{name} {t}", name, t))
         chain = shapes[0]  # the temperature-1 rows draft the first
         out.append(Method(f"{name} {chain} T=1", name, chain, 1.0))
-        if name != "ngram":  # a drafter with a distribution q: also the sampled-candidates rule
+        if drafter.gives_q:  # a drafter with a distribution q: also the sampled-candidates rule
             out.append(Method(f"{name} {chain} T=1 sampled", name, chain, 1.0, verify="sampled"))
     return out
 
@@ -170,68 +169,56 @@ def split_methods(text: str) -> list[str]:
 
 
 def extra_methods(names, drafters: dict) -> list[Method]:
-    """`--methods` names outside the default list that read `DRAFTER TREE` (a loaded drafter and a
-    tree spec that `specjax.spec.tree.parse_tree_spec` takes, e.g. 'lm chain=3', 'mtp@2048 chain=5'):
-    that drafter greedy on that tree, so any two drafters can be compared at the same shape.
-    `CHEAP+STRONG TREE` (e.g. 'ngram+dspark-int8 depth=6,topk=2,nodes=8'): TreeGraft of the two
-    loaded drafters, the strong one invoked every round (policy "always"), TREE the verify budget.
-    `MATCHES|MODEL TREE|MODEL_TREE|MIN_MATCH` (e.g. 'ngram|feature@1024-int8 chain=6|chain=3|3'):
-    `specjax.drafters.composite.switch.Switch`, n-gram's TREE where its match is at least MIN_MATCH tokens long (default
-    3), the model drafter's MODEL_TREE (default chain=3) elsewhere."""
+    """`--methods` names outside the default list that read `STACK TREE`: a drafter stack in
+    `specjax.drafters.compose`'s syntax over loaded drafters and a tree spec that
+    `specjax.spec.tree.parse_tree_spec` takes, greedy, so any drafters can be compared at the same shape:
+    'lm chain=3', 'mtp@2048 chain=5', 'dspark;confidence=0.5 chain=8';
+    'ngram+dspark-int8 depth=6,topk=2,nodes=8' (TreeGraft, the strong drafter invoked every round unless
+    `;policy=SCHEDULER_DIR`), TREE the verify budget;
+    'ngram|feature@1024-int8;min_match=3;model_tree=chain=3 chain=6' (the Switch, TREE the n-gram's),
+    also written 'ngram|feature@1024-int8 chain=6|chain=3|3' (TREE|MODEL_TREE|MIN_MATCH, as earlier
+    results name their rows)."""
     out = []
     for name in names:
-        drafter, _, tree = name.partition(" ")
-        parts = _graft_pair(drafter) or _switch_pair(drafter) or (drafter,)
-        if not tree or not all(d in drafters for d in parts):
+        text, _, tree = name.partition(" ")
+        try:
+            stack = compose.parse_stack(text)
+        except ValueError:
             continue
-        switch = None
-        if _switch_pair(drafter):
+        if not tree or not all(p in drafters for p in stack.parts):
+            continue
+        if stack.composite == "switch" and "|" in tree:  # the rows' older spelling of the Switch's options
             tree, _, rest = tree.partition("|")
             model_tree, _, min_match = rest.partition("|")
             if min_match and not min_match.isdigit():
                 raise ValueError(f"method {name!r}: MIN_MATCH must be an n-gram length, got {min_match!r}")
-            switch = (model_tree or "chain=3", int(min_match or 3))
+            stack = compose.Stack.make(stack.parts, "switch", **{**stack.opts, "model_tree": model_tree or None,
+                                                                   "min_match": int(min_match) if min_match else None})
         try:
             tree_lib.parse_tree_spec(tree)
-            if switch:
-                tree_lib.parse_tree_spec(switch[0])
+            if "model_tree" in stack.opts:
+                tree_lib.parse_tree_spec(stack.opts["model_tree"])
         except ValueError:
             continue
-        out.append(Method(name, drafter, tree, switch=switch))
+        out.append(Method(name, stack.text(), tree))
     return out
 
 
-def _graft_pair(name: str) -> tuple[str, str] | None:
-    """'CHEAP+STRONG' -> (CHEAP, STRONG); None for a single drafter's name."""
-    cheap, plus, strong = name.partition("+")
-    return (cheap, strong) if plus and cheap and strong else None
-
-
-def _switch_pair(name: str) -> tuple[str, str] | None:
-    """'MATCHES|MODEL' -> (MATCHES, MODEL); None otherwise."""
-    matches, bar, model = name.partition("|")
-    return (matches, model) if bar and matches and model else None
-
-
 def method_drafter(target, drafters, m: Method):
-    """The method's drafter: a block drafter's loaded head rewrapped with the method's confidence cut;
-    for 'CHEAP+STRONG', the TreeGraft of the two (policy "always": no scheduler is distilled for them);
-    for 'MATCHES|MODEL', their Switch."""
-    pair = _graft_pair(m.drafter)
-    if pair is not None:
-        from specjax.drafters.composite import treegraft
-        return treegraft.build([drafters[pair[0]], drafters[pair[1]]], "always")
-    pair = _switch_pair(m.drafter)
-    if pair is not None:
-        from specjax.drafters.composite.switch import Switch
-        return Switch(drafters[pair[0]], drafters[pair[1]], model_tree=m.switch[0], min_match=m.switch[1])
-    d = drafters[m.drafter]
-    if m.confidence != "off" or m.costs is not None or m.zero_state or m.boundaries is not None:
-        if not isinstance(d, BlockDrafter):
-            raise ValueError(f"method {m.name!r}: a confidence cut, a zeroed state or boundaries need a block drafter")
-        d = BlockDrafter(d.head, target, confidence=m.confidence, costs=m.costs, zero_state=m.zero_state,
-                         path_calibration=d.path_calibration, boundaries=m.boundaries)
-    return d
+    """The method's drafter (`specjax.drafters.compose.build`): `m.drafter` a stack over the loaded
+    drafters, with the method's run options (a block drafter's confidence cut, DPara's boundaries,
+    ReaDy's zeroed state) as the single drafter's options."""
+    stack = compose.parse_stack(m.drafter)
+    run = dict(confidence=None if m.confidence == "off" else m.confidence, costs=m.costs,
+               zero_state=m.zero_state or None, boundaries=m.boundaries)
+    if any(v is not None for v in run.values()):
+        if stack.composite is not None:
+            raise ValueError(f"method {m.name!r}: run options go with one drafter, not a {stack.composite}")
+        stack = compose.Stack.make(stack.parts, None, **{**stack.opts, **run})
+    try:
+        return compose.build(stack, drafters)
+    except ValueError as e:
+        raise ValueError(f"method {m.name!r}: {e}") from None
 
 
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
@@ -245,10 +232,10 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
         drafter = method_drafter(target, drafters, m)
         kw.update(drafters=[drafter], tree=m.tree, verify=m.verify)
     results, times = time_generation(target, groups, repeats, seed=seed, **kw)
-    row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None)}
+    row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None, drafter=drafter)}
     if m.drafter is not None and draft_ms is not None:
         mode = "sample" if m.verify in ("sampled", "sampled_noreplace") else "topk"
-        key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries, m.switch)
+        key = (m.drafter, str(m.confidence), m.costs, m.tree, mode, m.zero_state, m.boundaries)
         if key not in draft_ms:
             draft_ms[key] = 1000 * draft_seconds(target, drafter, groups[0], m.tree, repeats=max(3, repeats),
                                                  mode=mode)
@@ -380,8 +367,8 @@ def zoo_setup(args):
     tok = load_tokenizer(args.target)
     drafters, loaded = {}, {}
 
-    def add(name, spec, **options):
-        drafters[name] = load_drafter(spec, target, **options)
+    def add(name, spec, **options):  # each row names its settings: a drafter's recorded defaults are not applied
+        drafters[name] = load_drafter(spec, target, tuned=False, **options)
         loaded[name] = (spec, options)
 
     if args.draft and os.path.isdir(args.draft):

@@ -7,7 +7,7 @@ Rows, per drafter (`--drafter NAME=DIR`, repeatable; default lm = models/code-dr
     adaptive  --adaptive-tree drafted, each round verified at the width that maximises expected
               tokens / second (`specjax.drafters.composite.adaptive.AdaptiveShape`), its costs profiled in this process
               at this batch size (`tools.profile_widths.profile_rows`; in the JSON's meta), with the
-              drafter's `adaptive_calibration.json` when it has one (`train.adaptive_calibration`)
+              drafter's `calibration.json` ("step" table) when it has one (`train.adaptive_calibration`)
     margin    the first drafter's --margin-tree under verify="margin" for each δ in --margins
               (and the adaptive shape under the same rule at --margin-adaptive δ, if given)
 Columns: tokens/s, speedup over our autoregressive loop (same run), τ, mean verify width; and
@@ -46,13 +46,14 @@ from flax import nnx
 
 import specjax
 from specjax.spec import tree as tree_lib
-from specjax.drafters.composite.adaptive import CALIBRATION_FILE, AdaptiveShape, read_calibration
+from specjax.drafters.composite.adaptive import AdaptiveShape
+from specjax.spec.calibration import FILE as CALIBRATION_FILE, STEP, read_calibration
 from specjax.spec.widths import adaptive_widths
 from specjax.models import family
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, time_generation,
                            with_speedup, write_outputs)
 from tools.profile_widths import profile_rows
-from train.lm import repo_relative
+from train.common import repo_relative
 
 VALID_FRACTION = 0.93  # the bar: valid-Python rate >= 93% of lossless
 
@@ -241,6 +242,7 @@ def main(argv=None) -> int:
                                 free=not args.smoke)
             profiles[key] = prof[str(args.batch)]
         cal = read_calibration(dict(drafter_dirs)[name]) if not args.smoke else None
+        cal = cal if cal is not None and STEP in cal.kinds() else None
         calibrations[name] = None if cal is None else repo_relative(os.path.join(dict(drafter_dirs)[name], CALIBRATION_FILE))
         step = profiles[key]["draft_s"] / spec.max_depth  # a depth-by-depth chain may stop early
         return AdaptiveShape(d, profiles[key]["round_s"], calibration=cal, draft_step_s=step)

@@ -113,7 +113,7 @@ def load(name: str, smoke: bool):
     import specjax
     if smoke:
         from specjax.drafters import LMDrafter, NgramDrafter
-        from specjax.drafters.composite import treegraft
+        from specjax.drafters import compose
         from tools.harness import smoke_models
         _, target, draft = smoke_models()
         prompt = [3, 5, 7, 11, 13, 5, 7, 11]
@@ -122,14 +122,14 @@ def load(name: str, smoke: bool):
         tree = {"ar": None, "lm chain=4": "chain=4", "ngram chain=6": "chain=6",
                 "treegraft ngram+lm": "depth=3,topk=2,nodes=6"}[name]
         return target, drafters, tree, prompt
-    from specjax.drafters import load_drafter
-    from specjax.drafters.composite import treegraft
+    from specjax.drafters import load_drafter, named_drafter
+    from specjax.drafters import compose
     tdir, ddirs, tree, policy = CONFIGS[name]
     target = specjax.load_model(str(REPO / tdir))
     prompt = specjax.load_tokenizer(str(REPO / tdir)).encode(PROMPT).ids
-    drafters = [load_drafter(d if d == "ngram" else str(REPO / d), target, target_path=str(REPO / tdir)) for d in ddirs]
+    drafters = [load_drafter(d if named_drafter(d) else str(REPO / d), target, target_path=str(REPO / tdir)) for d in ddirs]
     if policy is not None:
-        drafters = [treegraft.build(drafters, policy)]
+        drafters = [compose.build(compose.Stack.make(ddirs, "treegraft", policy=policy), drafters)]
     return target, drafters, tree, prompt
 
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import specjax
 from specjax.drafters import BlockDrafter, load_drafter
+from specjax.drafters.block import DParaDrafter
 from tools.bench_round import critical_path, stage_split
 from tools.harness import REPO, run_meta, smoke_block_head, smoke_models, write_outputs
-from train.lm import repo_relative
+from train.common import repo_relative
 
 
 def setup(args):
@@ -39,7 +40,7 @@ def setup(args):
     if args.smoke:
         cfg, target, _ = smoke_models()
         drafters = {"dspark": BlockDrafter(smoke_block_head(cfg, block_size=4), target),
-                    "dpara": BlockDrafter(smoke_block_head(cfg, block_size=4, boundary=True), target)}
+                    "dpara": DParaDrafter(smoke_block_head(cfg, block_size=4, boundary=True), target)}
         return target, drafters, list(range(3, 3 + args.context)), "smoke: tiny random models"
     from specjax.io.checkpoint import load_tokenizer
     from train import prompts as prompt_sets
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
     rows = []
     variants = [(name, d, "") for name, d in drafters.items()]
     for b in [int(x) for x in args.boundaries.split(",") if x]:
-        variants += [(name, BlockDrafter(d.head, target, boundaries=b), f" boundaries={b}")
+        variants += [(name, d.with_options(boundaries=b), f" boundaries={b}")
                      for name, d in drafters.items() if d.head.config.boundary]
     for name, d, suffix in variants:
         tree = args.tree or f"chain={d.head.config.block_size}"

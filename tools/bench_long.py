@@ -124,7 +124,7 @@ def timed(target, groups, new_tokens, repeats, drafter=None, tree=None, warm=Tru
     if drafter is not None:
         kw.update(drafters=[drafter], tree=tree)
     results, times = time_generation(target, groups, repeats, warmup="first" if warm else None, **kw)
-    return generation_row(results, times, speculative=drafter is not None)
+    return generation_row(results, times, speculative=drafter is not None, drafter=drafter)
 
 
 def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:

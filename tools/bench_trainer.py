@@ -17,12 +17,13 @@ import numpy as np
 
 from tools.harness import Column, run_meta, write_outputs
 from train import block, data, target_cache
-from train.lm import _resolve, load_streams_for
+from train.lm import load_streams_for
+from train.common import resolve
 from specjax.io.checkpoint import load_tokenizer
 
 
 def time_steps(cfg, cache, steps: int, warmup: int) -> dict:
-    target_dir = str(_resolve(cfg.target))
+    target_dir = str(resolve(cfg.target))
     _, hcfg, _, train_step, _, init = block._fns(cfg, target_dir)
     state = init()
     streams = None if cache is not None else load_streams_for(load_tokenizer(target_dir), cfg.manifest, cfg.corpus_root,
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     cfg = block.load_config(args.config)
-    cache = target_cache.TargetCache(_resolve(args.cache), str(_resolve(cfg.target)))
+    cache = target_cache.TargetCache(resolve(args.cache), str(resolve(cfg.target)))
     m = cache.manifest
     rows = []
     for mode in ("online", "offline"):

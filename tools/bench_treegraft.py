@@ -44,13 +44,13 @@ from flax import nnx
 
 import specjax
 from specjax.drafters.composite import scheduler as sched_lib
-from specjax.drafters import DraftContext, LMDrafter, NgramDrafter
+from specjax.drafters import DraftContext, LMDrafter, NgramDrafter, drafter_takes, named_drafter
 from specjax.spec.sampling import SamplingParams
 from specjax.drafters.composite.treegraft import TreeGraft, check_scheduler_drafters
 from specjax.engine.stepper import RoundStepper
 from tools.harness import (REPO, Column, generation_row, output_path, run_meta, smoke_models, time_generation,
                            write_outputs)
-from train.lm import repo_relative
+from train.common import repo_relative
 
 # A block drafter (DSpark) rescores exactly in one pass (`can_score`), so it can be the strong drafter;
 # as the cheap one it drafts TreeGraft's dynamic candidate tree from its one backbone pass.
@@ -93,7 +93,7 @@ def zoo_setup(args):
     for name, path in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
         if os.path.isdir(path):
             drafters[name] = load_drafter(path, target, target_path=args.target,
-                                          draft_vocab=args.draft_vocab if name == "feature" else None)
+                                          draft_vocab=args.draft_vocab if "draft_vocab" in drafter_takes(path) else None)
     eval_sets = {}
     for s in args.sets.split(","):
         if s == "long":
@@ -364,9 +364,9 @@ def main(argv=None) -> int:
                 from train.value_system import sha256_of
                 values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
                 prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
-                                   **{role: {"spec": repo_relative(paths[n]) if n != "ngram" else n, "kind": n,
+                                   **{role: {"spec": repo_relative(paths[n]) if not named_drafter(paths[n]) else n, "kind": n,
                                              "sha256": sha256_of(paths[n]),
-                                             **({"draft_vocab": args.draft_vocab} if n == "feature" else {})}
+                                             **({"draft_vocab": args.draft_vocab} if "draft_vocab" in drafter_takes(paths[n]) else {})}
                                       for role, n in (("cheap", cheap_name), ("strong", strong_name))}},
                         "prompts": {"split": "train", "sets": list(SETS), "per_set": args.value_prompts_per_set,
                                     "context_tokens": args.context, "long_tokens": args.long_tokens}}

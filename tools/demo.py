@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         return 1
 
     import specjax
-    from specjax.drafters import load_drafter
+    from specjax.drafters import load_drafter, named_drafter
     from train import prompts as prompt_sets
 
     model = specjax.load_model(args.model)
@@ -82,9 +82,8 @@ def main(argv=None) -> int:
     ids = [c["ids"] for c in cases]
     kw = dict(max_new_tokens=args.new_tokens, eos_token_id=())
     kind, tree, why = bench_winner(REPO / "bench/bench_spec.json")
-    trees = {"lm": "chain=4", "feature": "chain=5", "ngram": "chain=6", kind: tree}
     order = [kind] + [k for k in DRAFTERS if k != kind]
-    names = args.drafter or [DRAFTERS[k] for k in order if DRAFTERS[k] == "ngram" or (REPO / DRAFTERS[k]).is_dir()]
+    names = args.drafter or [DRAFTERS[k] for k in order if named_drafter(DRAFTERS[k]) or (REPO / DRAFTERS[k]).is_dir()]
 
     def run(drafter, tree, prompts):
         return timed(lambda: specjax.generate(model, prompts, drafters=[drafter] if drafter else (),
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
           f"configuration: {kind} {tree} ({why}) ==\n")
     drafters = {}
     for name in names:
-        d = load_drafter(str(REPO / name) if name != "ngram" and not Path(name).is_dir() else name, model,
+        d = load_drafter(str(REPO / name) if not named_drafter(name) and not Path(name).is_dir() else name, model,
                          target_path=args.model)
         drafters[name] = d
     first = names[0]
@@ -114,7 +113,7 @@ def main(argv=None) -> int:
     n_ar1 = sum(int(a.lengths.sum()) for a, _ in ar1)
     for name in names:
         d = drafters[name]
-        t_name = args.tree or trees.get(d.name, "chain=4")
+        t_name = args.tree or d.default_tree  # the drafter's recorded (tuned) tree where it has one
         runs = [run(d, t_name, [p]) for p in ids[:2]]
         t = sum(t for _, t in runs)
         same = all(r.sequences() == a.sequences() for (r, _), (a, _) in zip(runs, ar1))

@@ -42,7 +42,7 @@ def main(argv=None):
     rows = []
     for d in args.drafters.split(","):
         head = load_block_head(d)
-        BlockDrafter(head, target)  # the head's checks against this target (width, vocabulary, state shape)
+        BlockDrafter.for_config(head.config)(head, target)  # the head's checks against this target (width, vocabulary, state shape)
         check_feature_target(d, args.target)  # and the weights it was trained on
         W = head.config.block_size
         variants = [False] + ([True] if args.zero_state and head.config.reads_state else [])

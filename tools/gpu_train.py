@@ -24,14 +24,15 @@ import jax
 
 from specjax.io.checkpoint import load_model, load_tokenizer
 from train import block, target_cache
-from train.lm import _resolve, load_streams_for
+from train.lm import load_streams_for
+from train.common import resolve
 
 
 def run(target: str, tokens: str, configs: list[str], out: str, *, windows: int | None, steps: int, batch_size: int,
         seq_len: int | None = None, topk: int = 32, progress: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    target_dir = str(_resolve(target))
+    target_dir = str(resolve(target))
     streams = load_streams_for(load_tokenizer(target_dir), tokens, None, None, None)
     cfgs = [block.load_config(c) for c in configs]
     layers = {tuple(block.head_config(c, load_model(target_dir)).target_layers) for c in cfgs}

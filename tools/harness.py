@@ -222,12 +222,13 @@ def mean_verify_width(results) -> float:
     return sum(int(x.stats["verified_nodes"].sum()) for x in results) / max(rounds, 1)
 
 
-def generation_row(results, times: list[float], speculative: bool) -> dict:
+def generation_row(results, times: list[float], speculative: bool, drafter=None) -> dict:
     """A method's row from `time_generation`: tokens/s (tokens / the median pass), seconds, tokens
     and the sequences; a speculative method's tau (1 + accepted per round, bonus included),
     per-depth acceptance, mean verify width, and where the drafter reports them its mean draft
-    length (block drafters), the adaptive shape's mean depth and the share of a Switch's rounds its
-    model drafter drafted. Autoregressive: tau 1."""
+    length (block drafters), the adaptive shape's mean depth and, given the `drafter`, what it
+    reports of itself over all rows (`Drafter.report`: a Switch's model-round share, TreeGraft's
+    invocations), each section's values in the row. Autoregressive: tau 1."""
     import numpy as np
     seconds = statistics.median(times)
     tokens = sum(int(x.lengths.sum()) for x in results)
@@ -247,8 +248,11 @@ def generation_row(results, times: list[float], speculative: bool) -> dict:
             row["mean_draft_len"] = sum(int(x.stats["drafted"].sum()) for x in results) / max(rounds, 1)
         if all("adaptive_depth" in x.stats for x in results):
             row["mean_adaptive_depth"] = sum(int(x.stats["adaptive_depth"].sum()) for x in results) / max(rounds, 1)
-        if all("switch_model_rounds" in x.stats for x in results):  # `specjax.drafters.composite.switch`: rounds the model drafted
-            row["model_round_share"] = sum(int(x.stats["switch_model_rounds"].sum()) for x in results) / max(rounds, 1)
+        if drafter is not None:
+            keys = set.intersection(*(set(x.stats) for x in results))
+            merged = {k: np.concatenate([np.atleast_1d(x.stats[k]) for x in results]) for k in keys}
+            for section in drafter.report(merged).values():
+                row.update(section)
     row["sequences"] = [s for x in results for s in x.sequences()]
     return row
 

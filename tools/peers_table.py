@@ -2,7 +2,8 @@
 kind and batch; their `hf` / `llama.cpp` rows included) and one `tools.bench_weights` run (weight
 bytes per forward at each dtype, the machine's streaming bandwidth).
 
-Per row: the CPU its run was measured on, tokens/s, tau, the ratio to the AR of its own run (same
+One run per setting (prompts, batch, CPU, weight dtype, attention): where several files measured the same
+setting, the latest (`latest_runs`); its rows are the table's. Per row: the CPU its run was measured on, tokens/s, tau, the ratio to the AR of its own run (same
 process, same dtype), the ratio to our float32 AR of the same setting measured on the same CPU (empty
 where none was: the same bench differs by 1.5-1.9x between the CPU models of our machines), the weight
 bytes read per generated token, and the memory-bound limit those bytes give at the measured bandwidth,
@@ -43,11 +44,27 @@ def _kind(method: str) -> str:
     return "ar" if m == "ar" else ("ngram" if m == "ngram" else "learned")
 
 
+def setting_of(meta: dict) -> tuple:
+    """What a run measured: prompts, batch, CPU, the target's weight dtype and attention."""
+    return (meta["kind"], meta["batch"], meta.get("cpu"), meta.get("weights", "float32"), bool(meta.get("invariant")))
+
+
+def latest_runs(runs: list[dict]) -> list[dict]:
+    """One run per setting (`setting_of`): the latest by its recorded date (files in the given order
+    break ties), so the table shows what one run on one CPU measured, not a union of runs."""
+    keep: dict[tuple, dict] = {}
+    for run in runs:
+        key = setting_of(run["meta"])
+        if key not in keep or str(run["meta"].get("date", "")) >= str(keep[key]["meta"].get("date", "")):
+            keep[key] = run
+    return [r for r in runs if keep[setting_of(r["meta"])] is r]
+
+
 def collect(bench_files, weights_bench: dict, gguf_bytes: int | None) -> list[dict]:
     fwd_mb = {r["weights"]: r["weight_mb_per_token"] for r in weights_bench["rows"]}
     bw = weights_bench["meta"].get("stream_bandwidth_gb_s")
     bw_cpu = weights_bench["meta"].get("cpu")
-    runs = [json.loads(Path(f).read_text()) | {"file": str(f)} for f in bench_files]
+    runs = latest_runs([json.loads(Path(f).read_text()) | {"file": str(f)} for f in bench_files])
     f32_ar = {}
     for run in runs:
         m = run["meta"]

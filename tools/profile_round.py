@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
                                    " --xla_dump_hlo_module_re=.*generate.*").strip()
     import specjax
-    from specjax.drafters import NgramDrafter, load_drafter
+    from specjax.drafters import NgramDrafter, load_drafter, named_drafter
     if args.smoke:
         from tools.harness import smoke_models
         _, target, _ = smoke_models()
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
         from train import prompts as prompt_sets
         prompt = prompt_sets.prompt_set("functions", specjax.load_tokenizer(args.target), 1,
                                         context_tokens=args.context)[0]["ids"]
-        if args.drafter == "ngram":
-            drafter = NgramDrafter()
+        if named_drafter(args.drafter):
+            drafter = load_drafter(args.drafter, target)
         else:
             name, sep, d = args.drafter.partition("=")
             if not sep:

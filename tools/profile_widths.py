@@ -52,7 +52,7 @@ from specjax.models import family
 from specjax.spec.profile import default_profile_name
 from specjax.spec.sampling import SamplingParams
 from tools.harness import REPO, median_ms, run_meta, smoke_block_head, smoke_models
-from train.lm import repo_relative
+from train.common import repo_relative
 
 LOOPS = 16
 
@@ -299,7 +299,7 @@ def main(argv=None) -> dict:
         spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
         if isinstance(spec, tree_lib.BestFirstTree) and not args.adaptive:  # TAPS's budget: the widths of tree_widths(N), confidence off
             from specjax.spec.widths import tree_widths
-            drafter = BlockDrafter(drafter.head, target, path_calibration=drafter.path_calibration,
+            drafter = type(drafter)(drafter.head, target, path_calibration=drafter.path_calibration,
                                    costs=(1.0,) * len(tree_widths(spec.num_nodes)) if spec.select == "taps" else None)
         drafter.check_tree(spec, "greedy")
         widths = drafter.verify_widths(spec)

@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 from specjax.io.checkpoint import load_tokenizer
-from train.lm import REPO, load_streams_for, save_corpus_tokens
+from train.lm import load_streams_for, save_corpus_tokens
+from train.common import REPO
 
 SLIM = ".slim"  # the carried folder (ignored through .git/info/exclude)
 LIMIT_MIB = 64

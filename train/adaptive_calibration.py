@@ -1,5 +1,5 @@
 """Fits the adaptive shape's acceptance-by-confidence counts g(q) for a drafter (`specjax.drafters.composite.adaptive`)
-and stores them with the drafter (`adaptive_calibration.json`, read by the CLI's `--adaptive` and
+and stores them with the drafter (the "step" table of `calibration.json`, read by the CLI's `--adaptive` and
 `tools/bench_adaptive.py`).
 
 Validation rounds: speculative greedy generation of validation-split prompts with the drafter under
@@ -15,20 +15,18 @@ holds at its end (`adaptive_seen` / `adaptive_hits`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
 import specjax
 from specjax.drafters.composite import adaptive
-from specjax.spec import tree as tree_lib, widths
+from specjax.spec import calibration, tree as tree_lib, widths
 from specjax.io.checkpoint import load_tokenizer, weights_sha256
 from specjax.drafters import load_drafter
-from train.lm import REPO, repo_relative
+from train.common import REPO, repo_relative
 
 
 def fit_counts(target, drafter, prompts, trees, new_tokens: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
@@ -79,11 +77,11 @@ def main(argv=None):
             "prompts": len(prompts), "new_tokens": args.new_tokens,
             "command": "python -m train.adaptive_calibration " + " ".join(argv if argv is not None else sys.argv[1:]),
             "seconds": round(time.perf_counter() - t0, 1)}
-    cal = adaptive.AcceptanceCalibration(tuple(np.round(seen, 3).tolist()), tuple(np.round(hits, 3).tolist()),
-                                         tuple(info.items()))
-    out = Path(args.drafter) / adaptive.CALIBRATION_FILE
-    out.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
-    adaptive.read_calibration(args.drafter)  # it loads
+    grid = (adaptive.DEPTHS, adaptive.BINS)
+    seen_g, hits_g = np.round(seen, 3).reshape(grid), np.round(hits, 3).reshape(grid)
+    out = calibration.write_calibration(args.drafter, calibration.STEP,
+                                        calibration.Table.make(seen_g, calibration.fit_pooled_rates(seen_g, hits_g)),
+                                        hits=hits_g.tolist(), **info)
     print(f"wrote {out}: {int(seen.sum())} observed nodes, {int(hits.sum())} accepted")
     for d, (n, h) in enumerate(zip(seen.reshape(adaptive.DEPTHS, -1), hits.reshape(adaptive.DEPTHS, -1))):
         if n.sum():

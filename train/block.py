@@ -59,7 +59,8 @@ from specjax.io.checkpoint import load_model, load_tokenizer
 from specjax.drafters import block as Bk, vocab as vocab_lib
 from specjax.models import family, hybrid, transformer
 from train import calibration as calib, data, drafter_run, target_cache
-from train.lm import REPO, _resolve, load_streams_for, repo_relative
+from train.lm import load_streams_for
+from train.common import REPO, resolve, repo_relative
 
 @dataclasses.dataclass(frozen=True)
 class BlockTrainConfig:
@@ -376,7 +377,7 @@ def _fns(cfg: BlockTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | No
         if cfg.init_from_target:
             start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         if cfg.init_from:
-            drafter_run.start_from(head, _resolve(cfg.init_from))
+            drafter_run.start_from(head, resolve(cfg.init_from))
         params = nnx.state(head, nnx.Param)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
@@ -471,7 +472,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     replicated); the checkpoints are the same, and restore on any layout."""
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
-    target_dir = _resolve(cfg.target)
+    target_dir = resolve(cfg.target)
     identity = drafter_run.identity(cfg, target_dir)
     if cfg.state_layers:
         hcfg_check = head_config(cfg, load_model(str(target_dir)))  # bad reader keys: refused before the run dir
@@ -480,7 +481,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
             raise ValueError(f"{cfg.anchors} anchors do not fit windows of {cfg.seq_len} tokens on a state grid of "
                              f"{cfg.state_every} with blocks of {hcfg_check.block_size}: at most {n}")
     if cfg.init_from:  # the starting weights are part of the run (a retrained export changes its digest)
-        identity["init_from_sha256"] = drafter_run.check_init_from(_resolve(cfg.init_from), identity["target_sha256"], "block")
+        identity["init_from_sha256"] = drafter_run.check_init_from(resolve(cfg.init_from), identity["target_sha256"], "block")
     identity.update(drafter_run.cache_identity(cfg))  # a resumed run refuses a changed cache
     drafter_run.open_run(run_dir, export_dir, identity, overwrite)
 
@@ -490,7 +491,7 @@ def train(cfg: BlockTrainConfig, run_dir, export_dir=None, *, max_steps=None, ov
     ranking, ids = drafter_run.draft_ranking(cfg, stream, target_dir)
     target, hcfg, head_of, train_step, eval_step, init = _fns(cfg, str(target_dir), ids, drafter_run.target_weights(cfg))
     val = data.eval_windows(streams.validation, cfg.seq_len - 1, cfg.eval_tokens)  # [N, seq_len]
-    cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), hcfg.target_layers) if cfg.cache else None
+    cache = target_cache.TargetCache(resolve(cfg.cache), str(target_dir), hcfg.target_layers) if cfg.cache else None
     if cache is not None and cache.manifest["seq_len"] != cfg.seq_len:
         raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
     if cache is not None and hcfg.reads_state:  # ReaDy reads the cache's states: the same layers, the same grid
@@ -550,7 +551,7 @@ def export(cfg, identity, head_of, eval_step, params, val, export_dir: Path, run
     record, conf, accepted = evaluate(eval_step, params, val, cfg.batch_size)
     head = head_of(params)
     calibration = None
-    backbone = str(_resolve(cfg.init_from)) if cfg.freeze_backbone else None
+    backbone = str(resolve(cfg.init_from)) if cfg.freeze_backbone else None
     if backbone is not None:  # the backbone is unchanged: its calibration stands, and only the head is written
         head.config = dataclasses.replace(head.config, confidence_temperatures=Bk.read_config(backbone).confidence_temperatures)
         conf = None

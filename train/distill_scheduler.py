@@ -39,7 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from specjax.drafters.composite import scheduler as sched_lib
-from train.lm import repo_relative
+from train.common import repo_relative
 from train.value_system import load_dataset
 
 REPO = Path(__file__).resolve().parents[1]

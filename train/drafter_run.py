@@ -30,7 +30,8 @@ from specjax.models import sharding
 from specjax.io.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.drafters import heads
 from train import data, target_cache
-from train.lm import RunRefused, _resolve, load_streams_for, repo_relative
+from train.lm import load_streams_for
+from train.common import RunRefused, resolve, repo_relative
 
 RESUMABLE = ("steps", "checkpoint_every", "eval_every")  # may change between sessions of one run
 
@@ -233,7 +234,7 @@ def target_weights(cfg) -> str:
     """The weight dtype a trainer loads its target at: its cache's (`train.target_cache --weights`: the
     features and labels came from the target at that dtype, so the borrowed embedding / LM head and
     the validation pass match them), float32 without a cache."""
-    return target_cache.cache_weights(_resolve(cfg.cache)) if getattr(cfg, "cache", None) else "float32"
+    return target_cache.cache_weights(resolve(cfg.cache)) if getattr(cfg, "cache", None) else "float32"
 
 
 def cache_identity(cfg) -> dict:
@@ -241,7 +242,7 @@ def cache_identity(cfg) -> dict:
     dtype when not float32 (both may not change on resume)."""
     if not getattr(cfg, "cache", None):
         return {}
-    ident = {"cache_stream_sha256": target_cache.TargetCache(_resolve(cfg.cache)).manifest["stream_sha256"]}
+    ident = {"cache_stream_sha256": target_cache.TargetCache(resolve(cfg.cache)).manifest["stream_sha256"]}
     weights = target_weights(cfg)
     return ident if weights == "float32" else {**ident, "target_weights": weights}
 
@@ -291,10 +292,10 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     the run's identity; `init()` copies it)."""
     run_dir = Path(run_dir)
     export_dir = Path(export_dir) if export_dir is not None else None
-    target_dir = _resolve(cfg.target)
+    target_dir = resolve(cfg.target)
     ident = identity(cfg, target_dir)
     if getattr(cfg, "init_from", None):
-        ident["init_from_sha256"] = check_init_from(_resolve(cfg.init_from), ident["target_sha256"], kind)
+        ident["init_from_sha256"] = check_init_from(resolve(cfg.init_from), ident["target_sha256"], kind)
     ident.update(cache_identity(cfg))
     open_run(run_dir, export_dir, ident, overwrite)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
@@ -305,7 +306,7 @@ def run_unrolled(cfg, run_dir, export_dir, train_step, eval_step, init, rules, s
     cache = None
     if getattr(cfg, "cache", None):  # the offline target cache (train.target_cache) of the drafter's layers
         layers = cache_layers if cache_layers is not None else tuple(cfg.target_layers or ()) or None
-        cache = target_cache.TargetCache(_resolve(cfg.cache), str(target_dir), layers)
+        cache = target_cache.TargetCache(resolve(cfg.cache), str(target_dir), layers)
         if cache.manifest["seq_len"] != cfg.seq_len:
             raise ValueError(f"cache {cfg.cache} holds windows of {cache.manifest['seq_len']} tokens; seq_len is {cfg.seq_len}")
 
@@ -362,12 +363,12 @@ def train_stream(cfg, run_dir, streams=None) -> np.ndarray:
     `extra_train` stream when the config names one (the target's own continuations), `extra_repeat`
     times where the config has that key (oversampled: a small stream made a real share)."""
     if streams is None:
-        streams = load_streams_for(load_tokenizer(str(_resolve(cfg.target))), cfg.manifest, cfg.corpus_root,
+        streams = load_streams_for(load_tokenizer(str(resolve(cfg.target))), cfg.manifest, cfg.corpus_root,
                                    cfg.max_files, Path(run_dir) / "token-cache")
     extra = getattr(cfg, "extra_train", None)
     if not extra:
         return streams.train
-    path = _resolve(extra)
+    path = resolve(extra)
     if not Path(path).is_file():
         raise FileNotFoundError(f"extra_train {path}: no such token stream (make it with python -m train.continuations)")
     extra = np.tile(np.load(path).astype(streams.train.dtype), getattr(cfg, "extra_repeat", 1))
@@ -382,7 +383,7 @@ def draft_ranking(cfg, stream, target_dir) -> tuple[np.ndarray | None, tuple[int
     if not getattr(cfg, "draft_vocab", None):
         return None, None
     if getattr(cfg, "cache", None):
-        stream = target_cache.TargetCache(_resolve(cfg.cache)).tokens()
+        stream = target_cache.TargetCache(resolve(cfg.cache)).tokens()
     from specjax.drafters import vocab as vocab_lib
     ranking = vocab_lib.token_ranking(stream, load_model(str(target_dir)).config.vocab_size)
     return ranking, tuple(int(i) for i in ranking[:cfg.draft_vocab])

@@ -22,7 +22,8 @@ from flax import nnx
 
 from specjax.io.checkpoint import load_model, load_tokenizer
 from train import corpus, data
-from train.lm import REPO, lm_token_losses, mean_window_loss
+from train.lm import lm_token_losses, mean_window_loss
+from train.common import REPO
 
 DEFAULT_CACHE = REPO / "runs" / "token-cache"
 

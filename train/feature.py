@@ -25,7 +25,7 @@ from specjax.io.checkpoint import load_model
 from specjax.drafters import feature as F, vocab as vocab_lib
 from specjax.models import family, transformer
 from train import drafter_run
-from train.lm import REPO, _resolve
+from train.common import REPO, resolve
 
 @dataclasses.dataclass(frozen=True)
 class FeatureTrainConfig:
@@ -142,7 +142,7 @@ def _fns(cfg: FeatureTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | 
         if cfg.init_from_target:
             start_from_target(head, target if weights == "float32" else load_model(target_dir))  # from the float weights
         if cfg.init_from:
-            drafter_run.start_from(head, _resolve(cfg.init_from))
+            drafter_run.start_from(head, resolve(cfg.init_from))
         return nnx.state(head, nnx.Param)
 
     train_step, eval_step, init = drafter_run.unrolled_steps(cfg, loss_of, init_params, RULES)
@@ -157,7 +157,7 @@ def train(cfg: FeatureTrainConfig, run_dir, export_dir=None, *, max_steps=None, 
     """Trains (or resumes) the drafter; exports when finished. `mesh` (`specjax.models.sharding.make_mesh`):
     the batch over its `data` axis, the head tensor parallel over `model` (the frozen target is
     replicated); the checkpoints are the same, and restore on any layout."""
-    target_dir = str(_resolve(cfg.target))
+    target_dir = str(resolve(cfg.target))
     ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
                     if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens of the stream
     _, _, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids, drafter_run.target_weights(cfg))

@@ -42,15 +42,11 @@ from specjax.models import family, hybrid, transformer
 from specjax.models.config import HYBRID_MODEL_TYPES, HybridConfig, ModelConfig, RopeScaling
 from specjax.models.transformer import causal_mask, forward
 from train import corpus, data
+from train.common import REPO, RunRefused, resolve
 from train.tokenizer import EOT_ID, PAD_ID
 
-REPO = Path(__file__).resolve().parents[1]
 # Fields that only change how a run is observed or stored; anything else changes the trained model.
 RESUMABLE_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_every")
-
-
-class RunRefused(RuntimeError):
-    """Training would mix runs or destroy a trained model; the message says why and what to do."""
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -116,20 +112,6 @@ class TrainConfig:
                 return i, step
             step -= p.steps
         raise ValueError("step past the last phase")
-
-
-def _resolve(path: str | None) -> Path | None:
-    # Paths in configs are relative to the repo root, so commands work from any directory.
-    return None if path is None else (REPO / path if not Path(path).is_absolute() else Path(path))
-
-
-def repo_relative(path) -> str:
-    """The inverse of `_resolve` for what gets written down (cards, provenance, bench tables): a path
-    inside the repo as relative to its root, so no machine's checkout path is recorded."""
-    try:
-        return str(Path(path).resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def config_from_dict(d: dict) -> TrainConfig:
@@ -330,8 +312,8 @@ def _sha256_file(path: Path) -> str:
 
 def run_identity(cfg: TrainConfig) -> dict:
     return {"config": config_to_dict(cfg),
-            "tokenizer_sha256": _sha256_file(_resolve(cfg.tokenizer)),
-            "manifest_sha256": corpus.manifest_sha256(_resolve(cfg.corpus.manifest))}
+            "tokenizer_sha256": _sha256_file(resolve(cfg.tokenizer)),
+            "manifest_sha256": corpus.manifest_sha256(resolve(cfg.corpus.manifest))}
 
 
 def _has_checkpoints(run_dir: Path) -> bool:
@@ -466,12 +448,12 @@ def load_streams_for(tok: Tokenizer, manifest: str, root: str | None, max_files:
     `manifest` names a .npz (`save_corpus_tokens`), the streams stored there, checked against the
     tokenizer they were made with."""
     if str(manifest).endswith(".npz"):
-        z = np.load(_resolve(manifest))
+        z = np.load(resolve(manifest))
         if str(z["tokenizer_sha256"]) != tokenizer_sha256(tok):
             raise ValueError(f"{manifest}: tokenized with another tokenizer than the target's")
         return Streams(train=z["train"].astype(np.int32), validation=z["validation"].astype(np.int32))
-    root = _resolve(root)
-    checked = corpus.check(corpus.read_manifest(_resolve(manifest)), root)
+    root = resolve(root)
+    checked = corpus.check(corpus.read_manifest(resolve(manifest)), root)
     get = lambda split: data.token_stream(tok, split, checked, root, max_files, cache_dir)
     return Streams(train=get("train"), validation=get("validation"))
 
@@ -509,7 +491,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path | None =
 
 def _train(cfg: TrainConfig, run_dir, export_dir, *, max_steps, overwrite, progress, reschedule, mesh) -> dict:
     run_dir, export_dir = Path(run_dir), (Path(export_dir) if export_dir is not None else None)
-    tok_path = _resolve(cfg.tokenizer)
+    tok_path = resolve(cfg.tokenizer)
     if not tok_path.exists():
         raise FileNotFoundError(f"{tok_path}: no tokenizer; train it with `python -m train.tokenizer --out {tok_path.parent}`")
     tok = Tokenizer.from_file(str(tok_path))
@@ -594,7 +576,7 @@ def export_latest(cfg: TrainConfig, run_dir: str | Path, export_dir: str | Path,
     check_resume(run_dir, identity, reschedule=True)
     if has_weights(export_dir) and not overwrite:
         raise RunRefused(f"{export_dir} already holds a model (model.safetensors); pass --overwrite to replace it.")
-    tok = Tokenizer.from_file(str(_resolve(cfg.tokenizer)))
+    tok = Tokenizer.from_file(str(resolve(cfg.tokenizer)))
     mngr = checkpoint_manager(cfg, run_dir)
     step = mngr.latest_step()
     if step is None:

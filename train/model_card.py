@@ -26,9 +26,9 @@ from flax import nnx
 from specjax.io.checkpoint import load_model
 from specjax.models.config import HybridConfig
 from train import corpus, eval_ppl
-from train.lm import _resolve
-from train.lm import REPO
-from train.lm import repo_relative as _rel
+from train.common import resolve
+from train.common import REPO
+from train.common import repo_relative as _rel
 from specjax.spec.profile import cpu_name
 
 
@@ -176,7 +176,7 @@ python -m train.model_card --model models/{name}
 
 def _stage_info(cfg: dict) -> dict | None:
     """The `train_info.json` of the drafter a run continued from (`init_from`), where it is on this machine."""
-    path = _resolve(cfg["init_from"]) / "train_info.json" if cfg.get("init_from") else None
+    path = resolve(cfg["init_from"]) / "train_info.json" if cfg.get("init_from") else None
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
@@ -238,7 +238,7 @@ def _vocab_ceiling(cfg: dict, model_dir: Path | None) -> str:
     if model_dir is None or not cfg.get("cache") or not (model_dir / vocab_lib.RANKING_FILE).exists():
         return ""
     try:
-        cache = target_cache.TargetCache(_resolve(cfg["cache"]))
+        cache = target_cache.TargetCache(resolve(cfg["cache"]))
     except ValueError:
         return ""
     V = cache.manifest["vocab_size"]
@@ -264,7 +264,7 @@ Trained on the {n} most frequent target tokens of its training stream (EAGLE-3's
 head scores only their LM-head rows; the target's distribution renormalised over them). {choice} q is zero outside: lossless.{_vocab_ceiling(cfg, model_dir)}
 """
     if cfg.get("extra_train"):
-        summary = _resolve(cfg["extra_train"]).with_suffix(".json")
+        summary = resolve(cfg["extra_train"]).with_suffix(".json")
         if summary.exists():
             s = json.loads(summary.read_text())
             g = s["generated_tokens"]
@@ -289,7 +289,7 @@ def _recipe_section(cfg: dict, info: dict, command: str) -> str:
     token MASK; and the CPU, the wall time and the exact command of the run."""
     lines = []
     if cfg.get("cache"):
-        mpath = _resolve(cfg["cache"]) / "manifest.json"
+        mpath = resolve(cfg["cache"]) / "manifest.json"
         trained = info.get("tokens_trained") or cfg["steps"] * cfg["batch_size"] * cfg["seq_len"]
         if mpath.exists():
             m = json.loads(mpath.read_text())
@@ -334,7 +334,7 @@ def _cache_commands(cfg: dict, m: dict) -> str:
     mix = m.get("mix") or {}
     cmds = []
     for extra in (mix.get("extra") or "").split(","):  # `--extra` may join several streams
-        summary = _resolve(extra).with_suffix(".json") if extra else None
+        summary = resolve(extra).with_suffix(".json") if extra else None
         if summary is None or not summary.exists():
             continue
         s = json.loads(summary.read_text())
@@ -455,8 +455,9 @@ are the estimate above): temperatures {fmt(calib['temperatures'])}; ECE before
                 else "agreement, Markov input teacher-forced")
     run_dir = info.get("run_dir") or f"runs/{name}"
     command = f"python -m train.block --config configs/{name}.json --run-dir {run_dir} --export models/{model_dir.name}"
-    cal_file = model_dir / "path_calibration.json"
-    calib_cmd = "\n" + json.loads(cal_file.read_text())["command"] if cal_file.exists() else ""
+    made = _calibration_made(model_dir)
+    taps_made = next((v for k, v in made.items() if k != "step"), None)
+    calib_cmd = "\n" + taps_made["command"] if taps_made else ""
     reader_text = _reader_section(dcfg, cfg, info, fmt) if dcfg.get("state_layers") else ""
     if dcfg.get("ar_intermediate") and not dcfg.get("boundary"):
         reader_text += _treeflash_section(model_dir, dcfg, cfg, info, fmt)
@@ -529,19 +530,22 @@ def _treeflash_section(model_dir: Path, dcfg: dict, cfg: dict, info: dict, fmt) 
 | target's argmax in the top 4, TreeFlash rows | {fmt(final['val_top4_teacher_forced'])} |
 | target's argmax in the top 4, Markov rows | {fmt(final['val_top4_teacher_forced_markov'])} |
 """
-    cal_file = model_dir / "path_calibration.json"
+    cal_file = model_dir / "calibration.json"
+    made = _calibration_made(model_dir)
+    kinds = [k for k in made if k != "step"]
     cal = ""
-    if cal_file.exists():
+    if kinds:
         c = json.loads(cal_file.read_text())
-        lines = "\n".join(f"| {k} | {sum(map(sum, c['counts'][k])):,} | {fmt([x for x in c['acceptance_by_depth'][k] if x is not None])} |"
-                           for k in c["tables"])
+        m = made[kinds[0]]
+        lines = "\n".join(f"| {k} | {sum(map(sum, c['tables'][k]['seen'])):,} | {fmt([x for x in made[k]['acceptance_by_depth'] if x is not None])} |"
+                           for k in kinds)
         cal = f"""
 ## Path calibration (TAPS)
-`path_calibration.json`: g(q, depth), the probability that a node whose own draft probability is q is
-accepted given its parent is, per row kind, {c['bins']} bins of q per depth (shrunk toward the depth's
-mean, isotonic in q), fitted on {c['sequences']} greedy continuations of {c['split']}-split prompts
-({c['rounds_per_sequence']} rounds each; top {c['k']} nodes per row, {c['m']} candidates per position).
-`select=taps` ranks paths by the product of g along them. Command: `{c['command']}`.
+`calibration.json` (its row kinds' tables): g(q, depth), the probability that a node whose own draft probability is q is
+accepted given its parent is, per row kind, {c['tables'][kinds[0]]['bins']} bins of q per depth (shrunk toward the depth's
+mean, isotonic in q), fitted on {m['sequences']} greedy continuations of {m['split']}-split prompts
+({m['rounds_per_sequence']} rounds each; top {m['k']} nodes per row, {m['m']} candidates per position).
+`select=taps` ranks paths by the product of g along them. Command: `{m['command']}`.
 
 | rows | nodes | accepted fraction of a row's top {c['k']}, by depth (parent accepted) |
 |---|---:|---|
@@ -665,28 +669,36 @@ def _schedule_history(changes: list[dict]) -> str:
             f"(`--max-steps`) and resumes with the next config and `--reschedule`.\n")
 
 
+def _calibration_made(model_dir: Path) -> dict:
+    """{kind: what made its table} of the directory's `calibration.json` ({} without one)."""
+    f = model_dir / "calibration.json"
+    return json.loads(f.read_text()).get("made", {}) if f.exists() else {}
+
+
 def adaptive_section(model_dir: Path) -> str:
-    """The card's note on `adaptive_calibration.json` (the adaptive shape's g(q, depth),
+    """The card's note on the "step" table of `calibration.json` (the adaptive shape's g(q, depth),
     `train.adaptive_calibration`), or "" when the directory has none."""
-    f = model_dir / "adaptive_calibration.json"
-    if not f.exists():
+    f = model_dir / "calibration.json"
+    made = _calibration_made(model_dir).get("step")
+    if made is None:
         return ""
-    raw = json.loads(f.read_text())
-    seen = [sum(r) for r in raw["seen"]]
-    hits = [sum(r) for r in raw["hits"]]
+    t = json.loads(f.read_text())["tables"]["step"]
+    seen = [sum(r) for r in t["seen"]]
+    hits = [sum(r) for r in made["hits"]]
     rates = " / ".join(f"{h / n:.2f}" for h, n in zip(hits, seen) if n)
     return f"""
 ## Adaptive-shape calibration
 
-`adaptive_calibration.json`: counts for `specjax.drafters.composite.adaptive.AdaptiveShape`'s g(q, depth), the rate at
+`calibration.json`, its "step" table: `specjax.drafters.composite.adaptive.AdaptiveShape`'s g(q, depth), the rate at
 which a node whose parent was accepted is accepted itself, by depth and by bin of its own draft
-probability q given its parent ({raw['depths']} depths x {raw['bins']} bins; `rate` is the fit the
-drafter uses: shrunk toward all depths, non-decreasing in q). Fitted on {raw.get('prompts')} validation prompts
-({raw.get('kind')}), {raw.get('new_tokens')} new tokens each, trees {', '.join(raw.get('trees', []))}, every round
-verifying the whole tree: {int(sum(seen))} observed nodes, acceptance by depth {rates}.
+probability q given its parent ({t['depths']} depths x {t['bins']} bins; `rate` is the fit the
+drafter uses: shrunk toward all depths, non-decreasing in q; `seen` and "made" -> "hits" the counts). Fitted on
+{made.get('prompts')} validation prompts ({made.get('kind')}), {made.get('new_tokens')} new tokens each, trees
+{', '.join(made.get('trees', []))}, every round verifying the whole tree: {int(sum(seen))} observed nodes,
+acceptance by depth {rates}.
 
 ```
-{raw.get('command')}
+{made.get('command')}
 ```
 """
 

@@ -32,7 +32,8 @@ from specjax.io.checkpoint import load_model, load_tokenizer
 from specjax.drafters import mtp as M, vocab
 from specjax.models import family, transformer
 from train import drafter_run
-from train.lm import REPO, _resolve, load_streams_for
+from train.lm import load_streams_for
+from train.common import REPO, resolve
 
 LOSSES = ("distill", "tokens")
 
@@ -149,7 +150,7 @@ def _fns(cfg: MTPTrainConfig, target_dir: str, vocab_ids: tuple[int, ...] | None
 def training_ranking(cfg: MTPTrainConfig, run_dir) -> np.ndarray:
     """The target's tokens by their count in the training split (the reduced draft vocabulary's
     ranking, `specjax.drafters.vocab`): int32 [V]."""
-    target_dir = _resolve(cfg.target)
+    target_dir = resolve(cfg.target)
     streams = load_streams_for(load_tokenizer(str(target_dir)), cfg.manifest, cfg.corpus_root, cfg.max_files,
                                Path(run_dir) / "token-cache")
     return vocab.token_ranking(streams.train, _fns(cfg, str(target_dir))[0].config.vocab_size)
@@ -161,7 +162,7 @@ RULES = M.MTPDrafter.partition_rules  # the module's layout on a mesh: its layer
 @drafter_run.on_mesh
 def train(cfg: MTPTrainConfig, run_dir, export_dir=None, *, max_steps=None, overwrite=False, progress=True, mesh=None):
     """Trains (or resumes) the module; exports when finished. `mesh`: as `train.feature`'s."""
-    target_dir = str(_resolve(cfg.target))
+    target_dir = str(resolve(cfg.target))
     ranking, ids = (drafter_run.draft_ranking(cfg, drafter_run.train_stream(cfg, run_dir), target_dir)
                     if cfg.draft_vocab is not None else (None, None))  # the N most frequent tokens it trains on
     target, head_def, train_step, eval_step, init = _fns(cfg, target_dir, ids, drafter_run.target_weights(cfg))

@@ -1,5 +1,5 @@
 """Fits TAPS's path-conditioned acceptance estimates g(q, depth) for a block drafter (design §5e)
-and stores them with the drafter (`path_calibration.json`, read by `load_drafter`).
+and stores them with the drafter (its row kinds' tables in `calibration.json`, read by `load_drafter`).
 
 Validation rounds: the target's own greedy continuations of validation-split prompts (so along
 each sequence every token is the target's greedy choice, as on an accepted path). A round rooted
@@ -8,7 +8,7 @@ pass over all such anchors at once (equal to the drafting pass, `tests/test_bloc
 depth d drawn from a row that conditions on the accepted path (row 0 given the root; a conditional
 row whose candidate previous token is the greedy token at a+d-1; DDTree's marginal row of depth
 d) is accepted given its parent is iff its token is the greedy token at a+d. Each such row gives
-its top k nodes (their own q and that label); per row kind, `taps.fit_path_calibration` bins them
+its top k nodes (their own q and that label); per row kind, `calibration.fit_path_rates` bins them
 by q and depth, shrinks each bin toward its depth's mean and makes it non-decreasing in q.
 
     python -m train.path_calibration --target models/code-target --drafter models/code-target-treeflash
@@ -16,22 +16,21 @@ by q and depth, shrinks each bin toward its depth's mean and makes it non-decrea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.spec import calibration as taps, tree as tree_lib
+from specjax.spec import calibration, tree as tree_lib
 from specjax.io.checkpoint import load_tokenizer
 from specjax.drafters import load_drafter
 from specjax.drafters import block as Bk
+from specjax.drafters.block import best_first
 from specjax.models import family
-from train.lm import REPO, repo_relative
+from train.common import REPO, repo_relative
 
 
 def greedy_sequences(target, prompts, new_tokens: int, batch: int = 4) -> list[list[int]]:
@@ -64,12 +63,12 @@ def samples(drafter: Bk.BlockDrafter, target, seq: list[int], start: int, k: int
     for kind in kinds:
         rows = "marginal" if kind == "marginal" else kind
         spec = tree_lib.BestFirstTree(nodes=2, rows=rows, m=1 if kind == "marginal" else m, k=k, depth=W)
-        tok, lq, _, depth = jax.jit(lambda b, r, s=spec: drafter.tables(b, r, s))(blk, roots)
+        tok, lq, _, depth = jax.jit(lambda b, r, s=spec: best_first.tables(drafter.head, drafter.target, b, r, s))(blk, roots)
         tok, q = np.asarray(tok), np.exp(np.asarray(lq))  # [A, R, K]
         if kind == "marginal":
             use = np.ones((A, W), bool)  # every depth's row
         else:  # row 0, and the row whose candidate previous token is the greedy token
-            marg = jax.jit(lambda b, r: drafter.tables(b, r, tree_lib.BestFirstTree(nodes=2, k=m, depth=W)))(blk, roots)
+            marg = jax.jit(lambda b, r: best_first.tables(drafter.head, drafter.target, b, r, tree_lib.BestFirstTree(nodes=2, k=m, depth=W)))(blk, roots)
             cand = np.asarray(marg[0])[:, :W - 1]  # [A, W-1, m]: the candidates of positions 1..W-1
             hit = cand == nxt[:, :W - 1, None]  # candidate i of position p+1 is the greedy token at depth p+1
             use = np.concatenate([np.ones((A, 1), bool), hit.reshape(A, -1)], axis=1)
@@ -107,23 +106,17 @@ def main(argv=None):
         for kind, (q, d, y) in samples(drafter, target, s, len(p), args.k, args.m).items():
             pooled.setdefault(kind, []).append((q, d, y))
     W = drafter.head.config.block_size
-    tables, counts, rates = {}, {}, {}
+    command = "python -m train.path_calibration " + " ".join(argv if argv is not None else sys.argv[1:])
     for kind, parts in pooled.items():
         q, d, y = (np.concatenate([x[i] for x in parts]) for i in range(3))
-        table, n = taps.fit_path_calibration(q, d, y, depths=W, bins=args.bins)
-        tables[kind] = np.round(table, 5).tolist()
-        counts[kind] = n.tolist()
-        rates[kind] = [round(float(y[d == k + 1].mean()), 4) if (d == k + 1).any() else None for k in range(W)]
-    cal = {"format": taps.PATH_CALIBRATION_FORMAT, "bins": args.bins, "tables": tables, "counts": counts,
-           "acceptance_by_depth": rates, "sequences": len(seqs), "rounds_per_sequence": args.new_tokens - W,
-           "k": args.k, "m": args.m, "split": "validation", "kind": args.kind, "target": repo_relative(args.target),
-           "command": "python -m train.path_calibration " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "seconds": round(time.perf_counter() - t0, 1)}
-    out = Path(args.drafter) / taps.PATH_CALIBRATION_FILE
-    out.write_text(json.dumps(cal, indent=1) + "\n")
-    taps.read_path_calibration(args.drafter)  # it loads
-    print(f"wrote {out} ({', '.join(f'{k}: {int(np.sum(c))} nodes' for k, c in counts.items())})")
-
+        table, n = calibration.fit_path_rates(q, d, y, depths=W, bins=args.bins)
+        rates = [round(float(y[d == k + 1].mean()), 4) if (d == k + 1).any() else None for k in range(W)]
+        out = calibration.write_calibration(
+            args.drafter, kind, calibration.Table.make(n, np.round(table, 5)), acceptance_by_depth=rates,
+            sequences=len(seqs), rounds_per_sequence=args.new_tokens - W, k=args.k, m=args.m, split="validation",
+            kind=args.kind, target=repo_relative(args.target), command=command,
+            seconds=round(time.perf_counter() - t0, 1))
+        print(f"wrote {out}: {kind}, {int(np.sum(n))} nodes")
 
 if __name__ == "__main__":
     jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax-cache"))

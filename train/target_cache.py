@@ -41,7 +41,8 @@ from specjax.models import sharding
 from specjax.io.checkpoint import load_model, load_tokenizer, weights_sha256
 from specjax.models import family, hybrid, transformer
 from train import data
-from train.lm import _resolve, load_streams_for
+from train.lm import load_streams_for
+from train.common import resolve
 
 FORMAT = "specjax-target-cache-v1"
 MANIFEST = "manifest.json"
@@ -293,7 +294,7 @@ def main(argv=None) -> None:
                     help="the target's weight dtype for the pass: the dtype it is deployed at (default float32)")
     ap.add_argument("--manifest", default="train/manifest.json")
     args = ap.parse_args(argv)
-    target_dir = str(_resolve(args.target))
+    target_dir = str(resolve(args.target))
     streams = load_streams_for(load_tokenizer(target_dir), args.manifest, None, None, Path(args.out) / "token-cache")
     corpus = streams.train if args.corpus_tokens is None else streams.train[:args.corpus_tokens]
     parts, mix = [corpus], {"corpus_tokens": int(len(corpus))}

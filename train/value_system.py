@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         sys.exit(f"error: {args.out} already holds a value dataset; pass --overwrite to replace it")
 
     import specjax
-    from specjax.drafters import load_drafter
+    from specjax.drafters import load_drafter, named_drafter
     if not os.path.isdir(args.target):
         sys.exit(f"error: {args.target}: no target model (train the zoo: make models)")
     target = specjax.load_model(args.target)
@@ -276,9 +276,9 @@ def main(argv=None) -> int:
     data = collect(target, tg, args.tree, [p["ids"] for p in prompts], batch_size=args.batch_size,
                    max_new_tokens=args.max_new_tokens, continue_with=args.continue_with,
                    timing_repeats=args.timing_repeats, seed=args.seed, prompt_sets=[p["set"] for p in prompts])
-    from train.lm import repo_relative
+    from train.common import repo_relative
     prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
-                       "cheap": {"spec": args.cheap if args.cheap == "ngram" else repo_relative(args.cheap),
+                       "cheap": {"spec": args.cheap if named_drafter(args.cheap) else repo_relative(args.cheap),
                                  "kind": cheap.name, "sha256": sha256_of(args.cheap)},
                        "strong": {"spec": repo_relative(args.strong), "kind": strong.name,
                                   "sha256": sha256_of(args.strong)}},

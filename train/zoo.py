@@ -59,7 +59,7 @@ def draft_chain(head_dir: Path, target, ids: list[int], tree: str | None = None)
     from specjax.drafters import DraftContext, load_drafter
     from specjax.models import family
 
-    drafter = load_drafter(str(head_dir), target)
+    drafter = load_drafter(str(head_dir), target, tuned=False)  # the head itself, not its tuned settings
     fam = family(target)
     P = len(ids)
     out = fam.prefill(target, jnp.asarray([ids], jnp.int32), jnp.asarray([P]), fam.init_cache(target, 1, P + 32),

@@ -6,20 +6,21 @@ import os
 
 from specjax.io.checkpoint import weights_sha256
 from specjax.drafters import heads
-from specjax.drafters.base import REGISTRY, Committed, DraftContext, Drafter, Proposal, SourceScores, register
+from specjax.drafters.base import REGISTRY, Committed, DraftContext, Drafter, Proposal, register
 from specjax.drafters.block import BlockConfig, BlockDrafter, BlockHead
 from specjax.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead
 from specjax.drafters.interop import FORMATS, InteropError
 from specjax.drafters.lm import LMDrafter
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.tuned import read_tuned
 from specjax.models import quant
 
-__all__ = ["FORMATS", "InteropError", "REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "SourceScores", "check_feature_target", "load_drafter"]
+__all__ = ["FORMATS", "InteropError", "REGISTRY", "drafter_kind", "register", "BlockConfig", "BlockDrafter", "BlockHead", "Committed", "DraftContext", "Drafter", "FeatureConfig", "FeatureDrafter", "FeatureHead", "LMDrafter", "MTPConfig", "MTPDrafter", "MTPHead", "NgramDrafter", "Proposal", "check_feature_target", "drafter_takes", "load_drafter", "named_drafter"]
 
 
 def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None, confidence="off", costs=None,
-                 draft_vocab: int | None = None, draft_weights: str | None = None):
+                 draft_vocab: int | None = None, draft_weights: str | None = None, tuned: bool = True):
     """A drafter from a command-line spec, through the registry (`base.register`): the bare name of a
     drafter that needs no directory (`ngram`, `ngram:N`; `mtp`: the MTP layers of the target's own
     checkpoint, `target_path`), a drafter directory whose `drafter_config.json` names its kind
@@ -32,7 +33,14 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     `Drafter.with_weights`); the parts it borrows from the target stay as the target is loaded.
     `target_path`: the target's directory; a drafter trained on other weights (its `train_info.json`
     records the digest) is refused: shapes alone do not tell two targets of the same size apart, and a
-    foreign head silently drafts badly. Every option a kind does not take is refused before loading."""
+    foreign head silently drafts badly. Every option a kind does not take is refused before loading.
+    `tuned`: a drafter directory's `tuned.json` (`specjax.drafters.tuned`) fills in each of fold /
+    draft_vocab / draft_weights the caller left None, and its tree becomes the drafter's default tree;
+    False ignores it."""
+    record = read_tuned(spec) if tuned and os.path.isdir(spec) else None
+    if record is not None:
+        fold, draft_vocab, draft_weights = (given if given is not None else rec for given, rec in zip(
+            (fold, draft_vocab, draft_weights), (record.options()[k] for k in ("fold", "draft_vocab", "draft_weights"))))
     given = {"fold": fold, "confidence": None if confidence in (None, "off") else confidence,
              "costs": None if costs is None else tuple(costs), "draft_vocab": draft_vocab}
     kind = drafter_kind(spec)
@@ -51,7 +59,24 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     if "target_path" in takes:
         kwargs["target_path"] = target_path
     drafter = cls.load(spec, target, **kwargs)
+    if record is not None and record.tree is not None:
+        drafter.default_tree = record.tree
     return drafter if draft_weights in (None, "float32") else drafter.with_weights(draft_weights)
+
+
+def named_drafter(spec: str) -> bool:
+    """Whether `spec` is the bare name of a drafter that needs no directory (`ngram`, `ngram:N`, `mtp`:
+    a registered `by_name` kind), not a path."""
+    cls = REGISTRY.get(spec.partition(":")[0])
+    return not os.path.isdir(spec) and cls is not None and cls.by_name
+
+
+def drafter_takes(spec: str) -> set[str]:
+    """The options of `load_drafter` the kind `spec` names takes (its `load`'s keywords, and
+    draft_weights where it has a network of its own): a capability, read from the registry."""
+    cls = REGISTRY[drafter_kind(spec)]
+    takes = set(inspect.signature(cls.load).parameters) & set(OPTION_WORDS)
+    return takes | ({"draft_weights"} if getattr(cls, "OWN", ()) else set())
 
 
 OPTION_WORDS = {
@@ -59,6 +84,7 @@ OPTION_WORDS = {
     "confidence": "confidence cut (--confidence): a confidence cut needs a block drafter (DSpark)",
     "costs": "verify-width costs: they go with a block drafter's confidence schedule or TAPS tree",
     "draft_vocab": "reduced draft vocabulary (--draft-vocab): it is built for the MTP and feature drafters",
+    "draft_weights": "weight dtype of its own network (--draft-weights): it has none",
 }
 
 

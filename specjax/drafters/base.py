@@ -53,6 +53,8 @@ hooks (traced)
                                                         for the tree (default: the state as it is)
     score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
     loop_stats(final_state) -> {name: [B] array}        extra per-row statistics (default: none)
+    report(stats, row) -> {section: value}               its statistics of one row, JSON-ready, on the host
+    with_options(**options) -> Drafter                   per-run options of its own (default: none taken)
     state_partition(state, batch) -> PartitionSpecs     its state's layout on a mesh (a prefix of the
                                                         state; default `sharding.batch_partition`: KV
                                                         caches as the target's, batch-major arrays over
@@ -65,6 +67,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import PyTree
 
@@ -89,6 +92,12 @@ class StopRule:
         raise TypeError(f"{type(self).__name__} does not define __call__")
 
 
+def stat_sum(stats, key: str, row: int | None = None) -> int:
+    """A per-row statistic of `GenerationResult.stats` at one row, or summed over all rows (None)."""
+    v = np.asarray(stats[key])
+    return int(v.sum() if row is None else v[row])
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftContext:
     """Static and traced inputs of one `propose` call."""
@@ -102,23 +111,10 @@ class DraftContext:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SourceScores:
-    """Per-source path scores of a multi-drafter tree (TreeGraft), kept side by side: nothing one
-    drafter said overwrites another's. Values are cumulative log q from the root; 0 where absent."""
-    cheap: Float[Array, "B N"]  # the cheap drafter's, on the nodes it proposed
-    strong: Float[Array, "B N"]  # the strong drafter's, on the nodes it scored or grafted
-    has_cheap: Bool[Array, "B N"]
-    has_strong: Bool[Array, "B N"]
-    origin: Int[Array, "B N"]  # index of the node in the candidate pool (cheap tree, then grafts)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class Proposal:
     tree: TreeBuffers
     probs: Float[Array, "B N V"] | None  # q(·|node) the node's children were drawn from
     state: PyTree  # the drafter's state after drafting
-    scores: SourceScores | None = None  # multi-drafter trees only
 
 
 @jax.tree_util.register_dataclass
@@ -250,6 +246,20 @@ class Drafter(nnx.Module):
         """Extra per-row statistics of a whole generation, from the final state ({name: [B] array})."""
         return {}
 
+    def report(self, stats, row: int | None = None) -> dict:
+        """On the host after a generation: this drafter's own statistics of one row (None: all rows
+        summed), as a JSON-ready {section: {name: value}} (the CLI's --json and the bench read them
+        here, never by key). `stats`: `GenerationResult.stats` (`stat_sum` reads one). Default: none."""
+        return {}
+
+    def with_options(self, **options) -> "Drafter":
+        """On the host: this drafter with per-run options of its own (`specjax.drafters.compose`'s
+        single-drafter options: a block drafter's confidence cut, DPara's boundaries, ReaDy's zeroed
+        state). Default: takes none."""
+        if options:
+            raise ValueError(f"the {self.name!r} drafter takes no option {', '.join(sorted(options))}")
+        return self
+
     def state_partition(self, state, batch: int):
         """Traced: PartitionSpecs for the state on a (data, model) mesh, a prefix of its pytree
         (`specjax.models.sharding.constrain` pins the loop's drafter state to it every round)."""
@@ -272,6 +282,7 @@ class Composite(Drafter):
         check_tree        every part's (the scratch they need: the most any asks)
         validate          every part's
         loop_stats        every part's, merged (a name two parts share: prefixed with the attribute)
+        report            every part's sections, merged (a composite adds its own)
         state_partition   every part's, for its field of the composite's state; the composite's own
                           fields by the default (`sharding.batch_partition`)
 
@@ -379,4 +390,10 @@ class Composite(Drafter):
         for n, p in zip(self.PARTS, self.parts()):
             for k, v in p.loop_stats(getattr(state, n)).items():
                 out[f"{n}_{k}" if k in out else k] = v
+        return out
+
+    def report(self, stats, row: int | None = None) -> dict:
+        out: dict = {}
+        for p in self.parts():
+            out.update(p.report(stats, row))
         return out

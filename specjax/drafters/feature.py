@@ -227,7 +227,9 @@ class FeatureDrafter(heads.HeadDrafter):
     def with_fold(self, cfg) -> "FeatureDrafter":
         """The same drafter (same head, target and draft vocabulary) with FOLD on (`cfg`) or off (None)."""
         ids = None if self.vocab_ids is None else np.asarray(self.vocab_ids[...])
-        return FeatureDrafter(self.head, self.target, fold=cfg, draft_vocab=ids)
+        out = FeatureDrafter(self.head, self.target, fold=cfg, draft_vocab=ids)
+        out.default_tree = self.default_tree  # a tuned default tree (`tuned.json`) stays
+        return out
 
     @property
     def attention(self):

@@ -50,7 +50,9 @@ class LMDrafter(Drafter):
 
     def with_fold(self, cfg) -> "LMDrafter":
         """The same drafter (same model) with FOLD on (`cfg`) or off (None)."""
-        return LMDrafter(self.model, fold=cfg)
+        out = LMDrafter(self.model, fold=cfg)
+        out.default_tree = self.default_tree  # a tuned default tree (`tuned.json`) stays
+        return out
 
     @property
     def attention(self):

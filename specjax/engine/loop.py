@@ -19,6 +19,7 @@ from specjax.spec import sampling
 from specjax.models import sharding
 from specjax.spec import tree as tree_lib
 from specjax.spec import verify as verify_lib
+from specjax.spec import widths as widths_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.models import family
 from specjax.models.transformer import Model
@@ -223,7 +224,6 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
 
 # ----------------------------------------------------------------------------- speculative
 
-DEFAULT_TREE = "chain=4"  # = Drafter.default_tree; a drafter may say otherwise (a block drafter: its block)
 
 
 def resolve_rule(verify: str | None, temperature: float) -> str:
@@ -286,26 +286,6 @@ def check_state_budget(model, batch: int, num_nodes: int, capacity: int, state_b
     return need
 
 
-def check_verify_widths(widths, spec) -> tuple[int, ...]:
-    """The drafter's `verify_widths(spec)`, checked on the host (ValueError): positive integers,
-    strictly ascending, the last the tree's node count."""
-    try:
-        ws = tuple(widths)
-    except TypeError:
-        raise ValueError(f"verify_widths must be a tuple of node counts, got {widths!r}") from None
-    if not ws:
-        raise ValueError("verify_widths must hold at least one width (the tree's node count)")
-    for w in ws:
-        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
-            raise ValueError(f"verify_widths must be positive integers (node counts, root included), got {ws}")
-    ws = tuple(int(w) for w in ws)
-    if any(b <= a for a, b in zip(ws, ws[1:])):
-        raise ValueError(f"verify_widths must be strictly ascending (unique), got {ws}")
-    if ws[-1] != spec.num_nodes:
-        raise ValueError(f"the last verify width must be the tree's node count {spec.num_nodes}, got {ws}")
-    return ws
-
-
 @dataclasses.dataclass(frozen=True)
 class RoundPlan:
     """The host-side setup of a speculative loop, before tracing (`plan_rounds`)."""
@@ -330,7 +310,7 @@ def plan_rounds(model: Model, drafter: Drafter, tree, verify, temperature: float
     mode = {"sampled": "sample", "sampled_noreplace": "sample_noreplace"}.get(rule, "topk")
     # The drafter refuses what it cannot draft (e.g. sampled rules without q) and says what scratch it needs.
     scratch = drafter.check_tree(spec, rule)
-    check_verify_widths(drafter.verify_widths(spec), spec)
+    widths_lib.check_widths(drafter.verify_widths(spec), spec.num_nodes)
     if mode != "topk" and isinstance(spec, tree_lib.DynamicTree):
         raise ValueError(f"verify={rule!r} draws candidates from q: it needs a static tree, not a dynamic one")
     evaluated = max(spec.pool_size if isinstance(spec, tree_lib.DynamicTree) else spec.num_nodes, scratch)
@@ -466,7 +446,7 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
         prop = drafter.propose(carry.dstate, root_B, DraftContext(spec, mode, params, k_draft, active=active))
     tree = sharding.constrain(prop.tree, BATCH)  # tree buffers: rows over `data` (no-op without a mesh)
     tree = tree_lib.well_formed(tree, root_B, D)  # the engine verifies a well-formed tree whatever was proposed
-    widths = check_verify_widths(drafter.verify_widths(spec), spec)
+    widths = widths_lib.check_widths(drafter.verify_widths(spec), spec.num_nodes)
     with jax.named_scope("verify_forward"):
         if len(widths) == 1:
             tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,

@@ -131,6 +131,40 @@ def path_to(tree: TreeBuffers, node_B, max_depth: int) -> Int[Array, "B D+1"]:
     return path
 
 
+def path_sum(local_BxN, parents_BxN, max_depth: int):
+    """Cumulative sums from the root: out[i] = local[i] + out[parent(i)] (root: its own local)."""
+    par = jnp.maximum(parents_BxN, 0)
+    has = parents_BxN >= 0
+    return jax.lax.fori_loop(
+        0, max_depth, lambda _, c: local_BxN + jnp.where(has, jnp.take_along_axis(c, par, axis=1), 0.0), local_BxN)
+
+
+def path_min(rank_BxN, parents_BxN, max_depth: int):
+    """out[i] = min(rank[i], out[parent(i)]): no node outranks an ancestor."""
+    par = jnp.maximum(parents_BxN, 0)
+    has = parents_BxN >= 0
+    return jax.lax.fori_loop(
+        0, max_depth,
+        lambda _, c: jnp.where(has, jnp.minimum(rank_BxN, jnp.take_along_axis(c, par, axis=1)), rank_BxN), rank_BxN)
+
+
+def accepted_nodes(tree: TreeBuffers, tokens_BxT, count_B):
+    """(on_path, observed) [B, N]: the valid nodes on the accepted path (root included), and the valid
+    non-root nodes whose parent is on it (those whose acceptance this round tells something). The
+    path is read from the committed tokens (`tokens_BxT`: the root, then the accepted tokens; `count_B`
+    of them valid): siblings carry distinct tokens, so the tokens name the accepted nodes."""
+    B, N = tree.tokens.shape
+    T = tokens_BxT.shape[1]
+    n = jnp.maximum(count_B - 1, 0)
+    on = jnp.arange(N)[None] == 0
+    par = jnp.maximum(tree.parents, 0)
+    for d in range(1, T):  # depth by depth: a node at depth d holding the d-th accepted token, child of the path
+        on_parent = jnp.take_along_axis(on, par, axis=1) & (tree.parents >= 0)
+        on = on | (tree.valid & (tree.depth == d) & on_parent & (tree.tokens == tokens_BxT[:, d:d + 1]) & (d <= n)[:, None])
+    observed = tree.valid & (tree.parents >= 0) & jnp.take_along_axis(on, par, axis=1)
+    return on, observed
+
+
 # ----------------------------------------------------------------------------- expansion
 
 def static_ancestors(parents_N: np.ndarray) -> np.ndarray:

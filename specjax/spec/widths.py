@@ -18,6 +18,7 @@ every width of a small tree.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 CHAIN_STEPS = (1, 2, 3, 5, 9, 17, 33)
 TREE_STEPS = (2, 4, 8, 16, 32, 64)
@@ -43,11 +44,23 @@ def adaptive_widths(num_nodes: int) -> tuple[int, ...]:
 
 
 def check_widths(widths, num_nodes: int) -> tuple[int, ...]:
-    """The widths as ints; ValueError unless they end at the tree's `num_nodes`."""
-    widths = tuple(int(w) for w in widths)
-    if widths[-1] != num_nodes:
-        raise ValueError(f"verify widths {widths} must end at the tree's {num_nodes} nodes")
-    return widths
+    """Verify widths checked on the host (ValueError), as ints: positive integers (node counts, root
+    included), strictly ascending, the last the tree's `num_nodes`."""
+    try:
+        ws = tuple(widths)
+    except TypeError:
+        raise ValueError(f"verify_widths must be a tuple of node counts, got {widths!r}") from None
+    if not ws:
+        raise ValueError("verify_widths must hold at least one width (the tree's node count)")
+    for w in ws:
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+            raise ValueError(f"verify_widths must be positive integers (node counts, root included), got {ws}")
+    ws = tuple(int(w) for w in ws)
+    if any(b <= a for a, b in zip(ws, ws[1:])):
+        raise ValueError(f"verify_widths must be strictly ascending (unique), got {ws}")
+    if ws[-1] != num_nodes:
+        raise ValueError(f"the last verify width must be the tree's node count {num_nodes}, got {ws}")
+    return ws
 
 
 def choose_width(est_BxN, valid_BxN, active_B, costs_W, widths: tuple[int, ...]):

@@ -4,9 +4,10 @@
     network.py     the shared backbone and its read-outs (`BlockHead`, `train_logits`, the Markov,
                    confidence and TreeFlash heads)
     drafter.py     `BlockDrafter`: DSpark / DFlash behind the drafter contract, confidence cuts
-    ready.py       ReaDy: the reader of a hybrid target's committed recurrent state
-    dpara.py       DPara: the next block drafted beside the verification, per acceptance boundary
-    best_first.py  DDTree / TreeFlash tables and TAPS selection
+    ready.py       ReaDy's network: the reader of a hybrid target's committed recurrent state
+    ready_drafter.py  `ReadyDrafter`: ReaDy behind the contract (a BlockDrafter subclass)
+    dpara.py       `DParaDrafter`: the next block drafted beside the verification, per acceptance boundary
+    best_first.py  DDTree / TreeFlash tables and TAPS selection (functions of the drafter)
     checkpoint.py  `save_block_head` / `load_block_head`
 
 The training objective and the confidence calibration are in `train/block.py` and
@@ -21,6 +22,8 @@ from specjax.drafters.block.checkpoint import (
 )
 from specjax.drafters.block.config import BlockConfig, check_confidence, parse_confidence
 from specjax.drafters.block.drafter import BlockDrafter
+from specjax.drafters.block.dpara import DParaDrafter
+from specjax.drafters.block.ready_drafter import ReadyDrafter
 from specjax.drafters.block.network import (
                                             BlockHead,
                                             BlockPass,
@@ -37,7 +40,7 @@ from specjax.drafters.block.network import (
 )
 from specjax.drafters.block.ready import check_state_target
 
-__all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "BlockPass", "BlockState", "TrainPass", "ar_logits",
+__all__ = ["BlockConfig", "BlockDrafter", "BlockHead", "DParaDrafter", "ReadyDrafter", "BlockPass", "BlockState", "TrainPass", "ar_logits",
            "backbone_dir", "base_logits", "check_backbone", "check_confidence", "check_state_target",
            "load_block_head", "markov_embed", "parse_confidence", "position_logits", "read_config", "row_logits",
            "save_block_head", "self_fed_walk", "target_features", "train_logits"]

@@ -30,16 +30,61 @@ import jax.numpy as jnp
 from specjax.models import attention as attention_lib
 from specjax.models import kvcache
 from specjax.spec import tree as tree_lib
-from specjax.drafters.base import Committed, DraftContext, Proposal
+from specjax.drafters.base import Committed, DraftContext, Proposal, register
+from specjax.drafters.block.drafter import BlockDrafter
 from specjax.drafters.block.network import (BlockPass, BlockState, backbone, base_logits, context_kv, mask_vector,
-                                            token_context)
+                                            target_features, token_context)
 from specjax.models.kvcache import KVCache
 from specjax.models.transformer import rms_norm
 
 
-class Boundaries:
-    """The DPara part of `BlockDrafter`: the boundary pass beside the verification, and the block
-    the next round drafts from."""
+@register
+class DParaDrafter(BlockDrafter):
+    """DPara over the block network (a head with `boundary=True`): the boundary pass beside the
+    verification, and the block the next round drafts from. `boundaries`: on a chain, how many
+    acceptance boundaries are precomputed beside the verification (default: every one)."""
+    name = "dpara"
+    can_score = False  # its block is precomputed from its own previous draft: it drafts its own trees only
+    reads_own_tree = True  # commit picks the next block by the accepted node of its own tree (`Committed.nodes`)
+    RUN_OPTIONS = BlockDrafter.RUN_OPTIONS + ("boundaries",)
+
+    @classmethod
+    def takes(cls, cfg) -> bool:
+        return bool(cfg.boundary)
+
+    def __init__(self, head, target, confidence="off", costs=None, widths=None, path_calibration=None,
+                 boundaries: int | None = None):
+        super().__init__(head, target, confidence=confidence, costs=costs, widths=widths,
+                         path_calibration=path_calibration)
+        if boundaries is not None and int(boundaries) < 1:
+            raise ValueError(f"boundaries (how many acceptance boundaries of a chain DPara precomputes) is >= 1; "
+                             f"got {boundaries!r}")
+        self.boundaries = None if boundaries is None else int(boundaries)
+
+    def run_options(self) -> dict:
+        return {**super().run_options(), "boundaries": self.boundaries}
+
+    def scratch_slots(self, num_nodes: int) -> int:
+        """A stand-in slot per draft node and a block of W per node."""
+        return num_nodes * (self.head.config.block_size + 1)
+
+    def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
+        return self.dpara_init(prompt_BxP, lengths_B, self._empty_cache(prompt_BxP.shape[0], capacity),
+                               target_features(target_out))
+
+    def block_pass(self, state, root_B) -> BlockPass:
+        return self.chosen_block(state)
+
+    def propose(self, state, root_B, ctx: DraftContext) -> Proposal:
+        return self.with_boundaries(super().propose(state, root_B, ctx), ctx)
+
+    def score(self, state, tree, max_depth=None):
+        raise ValueError("a DPara drafter drafts from a block precomputed for its own previous draft: it cannot "
+                         "score another drafter's tree (can_score=False)")
+
+    def commit(self, state, committed: Committed):
+        """The cache extended, and the next block: the one of the last accepted node."""
+        return self.dpara_commit(state, super().commit(state, committed), committed)
 
     def boundary_pass(self, cache: KVCache, tokens_BxN, depth_BxN, ancestors_BxNxN):
         """DPara's backbone pass (design §5d): for every node n of this round's draft tree, the block

@@ -1,6 +1,8 @@
 """`BlockDrafter`: DSpark (deepseek-ai/DeepSpec) and DFlash as its ablation behind the drafter
-contract (design §5b), with ReaDy (`ready.py`), DPara (`dpara.py`) and best-first trees
-(`best_first.py`) mixed in by what the head's config holds.
+contract (design §5b). ReaDy (`ReadyDrafter`, `ready_drafter.py`) and DPara (`DParaDrafter`,
+`dpara.py`) are drafters of their own over the same block network, subclasses that override the hooks
+they change; `BlockDrafter.for_config` picks the class a head's config needs (its loader does).
+Best-first trees are functions of the drafter (`best_first.py`).
 
 Confidence cuts (a cut only removes proposals, so every rule stays lossless):
     off          the whole block (up to the tree's depth) is verified
@@ -33,10 +35,9 @@ from specjax.spec import tree as tree_lib
 from specjax.spec import widths as widths_lib
 from specjax.drafters import heads
 from specjax.drafters.base import Committed, DraftContext, Proposal, register
-from specjax.drafters.block.best_first import BestFirst
+from specjax.drafters.block import best_first
 from specjax.drafters.block.checkpoint import load_block_head
-from specjax.drafters.block.config import check_confidence
-from specjax.drafters.block.dpara import Boundaries
+from specjax.drafters.block.config import check_confidence, parse_confidence
 from specjax.drafters.block.network import (
     BlockHead,
     BlockPass,
@@ -54,20 +55,18 @@ from specjax.drafters.block.network import (
     target_features,
     widen,
 )
-from specjax.drafters.block.ready import ReadsState, check_state_target, state_injector
 from specjax.models.kvcache import KVCache
 from specjax.models import transformer
-from specjax.spec.calibration import PathCalibration, read_path_calibration
+from specjax.spec.calibration import Calibration, read_calibration
 
 
 @register
-class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
-    """DSpark / DFlash / ReaDy behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
+class BlockDrafter(heads.HeadDrafter):
+    """DSpark / DFlash behind the drafter contract. `confidence`: "off", a threshold in (0, 1), or
     "schedule" (then `costs`: seconds per round at each of `widths`, profiled for this machine and
     batch size). `widths`: the compiled verify widths when cutting (default `widths.chain_widths`).
-    `zero_state`: ReaDy's ablation, the reader on zeroed states (a ReaDy head only).
     Best-first trees (`ddtree,...` / `treeflash,...` specs, design §5e) are drafted from the same one
-    backbone pass; `select=taps` needs `path_calibration` (the directory's `path_calibration.json`),
+    backbone pass; `select=taps` needs `path_calibration` (the directory's `calibration.json`, its row kinds),
     and with `costs` (round seconds per width of `widths.tree_widths`, confidence off) chooses each round's
     verify budget."""
     name = "block"
@@ -78,35 +77,41 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         (r"markov_out$", jax.sharding.PartitionSpec(None, "model")),
     )
 
-    @property
-    def can_score(self) -> bool:
-        """Its q at a node depends on the block and the node's own token only: exact, one pass. DPara
-        cannot: its block is precomputed from its own previous draft (it drafts its own trees only)."""
-        return not self.head.config.boundary
+    can_score = True  # its q at a node depends on the block and the node's own token only: exact, one pass
+    RUN_OPTIONS = ("confidence", "costs")  # `with_options` (a subclass adds its own)
 
-    @property
-    def reads_own_tree(self) -> bool:
-        """DPara's commit picks the next block by the accepted node of its own proposed tree
-        (`Committed.nodes`): a composite that rebuilds or reorders the tree cannot wrap it."""
-        return self.head.config.boundary
+    tuned_tree: str | None = None  # the tree of its `tuned.json`, when loaded with one
 
     @property
     def default_tree(self) -> str:
-        return f"chain={self.head.config.drafts}"
+        return self.tuned_tree or f"chain={self.head.config.drafts}"
 
-    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None, zero_state=False,
-                 path_calibration: PathCalibration | None = None, boundaries: int | None = None):
+    @default_tree.setter
+    def default_tree(self, tree: str) -> None:
+        self.tuned_tree = tree
+
+    @staticmethod
+    def for_config(cfg) -> type:
+        """The drafter class a block head of config `cfg` needs: `DParaDrafter` for a boundary head,
+        `ReadyDrafter` for one that reads the target's state, else `BlockDrafter`."""
+        for sub in BlockDrafter.__subclasses__():
+            if sub.takes(cfg):
+                return sub
+        return BlockDrafter
+
+    @classmethod
+    def takes(cls, cfg) -> bool:
+        """Whether a head of config `cfg` is this class's (a subclass says which heads are its own)."""
+        return not any(sub.takes(cfg) for sub in BlockDrafter.__subclasses__())
+
+    def __init__(self, head: BlockHead, target, confidence="off", costs=None, widths=None,
+                 path_calibration: Calibration | None = None):
         cfg = head.config
         self.check_target(cfg, target, "block")
-        if boundaries is not None and (not cfg.boundary or int(boundaries) < 1):
-            raise ValueError("boundaries (how many acceptance boundaries of a chain DPara precomputes) is a DPara "
-                             f"option, >= 1; got {boundaries!r} for a {'DPara' if cfg.boundary else 'non-DPara'} drafter")
-        self.boundaries = None if boundaries is None else int(boundaries)
-        self.state_index = check_state_target(cfg, target)  # ReaDy: the read layers' indices in the target's state
-        if zero_state and not cfg.reads_state:
-            raise ValueError("zero_state is ReaDy's ablation (the reader on a zeroed state); this block drafter "
-                             "reads no target state")
-        self.zero_state = bool(zero_state)
+        if not type(self).takes(cfg):
+            raise ValueError(f"this block head needs {BlockDrafter.for_config(cfg).__name__} (a "
+                             f"{'DPara' if cfg.boundary else 'ReaDy'} head), not {type(self).__name__}: "
+                             "BlockDrafter.for_config(head.config) gives the class, load_drafter picks it")
         self.head = head
         self.target = target  # shared: embedding and LM head
         self.confidence = check_confidence(confidence, cfg)
@@ -123,15 +128,36 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         self.costs = None if costs is None else tuple(float(c) for c in costs)
         self.widths = None if widths is None else tuple(int(w) for w in widths)
 
+    def run_options(self) -> dict:
+        """The options `with_options` takes, as this drafter has them."""
+        return {"confidence": self.confidence, "costs": self.costs}
+
+    def with_options(self, **options) -> "BlockDrafter":
+        """This drafter's head with other run options (those not given are kept): the confidence cut
+        ("off", a threshold, "schedule" with `costs`); DPara's boundaries, ReaDy's zeroed state."""
+        unknown = sorted(set(options) - set(self.RUN_OPTIONS))
+        if unknown:
+            raise ValueError(f"the {self.name!r} drafter takes no option {', '.join(unknown)} "
+                             f"(it takes {', '.join(self.RUN_OPTIONS)})")
+        kw = {**self.run_options(), **{k: v for k, v in options.items() if v is not None}}
+        kw["confidence"] = parse_confidence(kw["confidence"])
+        out = type(self)(self.head, self.target, widths=self.widths, path_calibration=self.path_calibration, **kw)
+        out.tuned_tree = self.tuned_tree
+        return out
+
     @classmethod
     def load(cls, spec: str, target, *, confidence="off", costs=None) -> "BlockDrafter":
-        return cls(load_block_head(spec, dtype=target.config.dtype), target, confidence=confidence, costs=costs,
-                   path_calibration=read_path_calibration(spec))
+        """The drafter of the head in `spec`, of the class its config needs (`for_config`)."""
+        head = load_block_head(spec, dtype=target.config.dtype)
+        klass = BlockDrafter.for_config(head.config)
+        if not issubclass(klass, cls):
+            raise ValueError(f"{spec}: a head for {klass.__name__}, not {cls.__name__}")
+        return klass(head, target, confidence=confidence, costs=costs, path_calibration=read_calibration(spec))
 
     def check_tree(self, spec, rule: str) -> int:
         W = self.head.config.drafts
         if isinstance(spec, tree_lib.BestFirstTree):
-            self.check_best_first(spec, rule)
+            best_first.check(self, spec, rule)
             return self.scratch_slots(spec.num_nodes)
         super().check_tree(spec, rule)
         if spec.max_depth > W:
@@ -145,14 +171,15 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         return self.scratch_slots(spec.num_nodes)
 
     def scratch_slots(self, num_nodes: int) -> int:
-        """Slots past the committed context a round writes: the block's W (DSpark); DPara: a stand-in
-        slot per draft node and a block of W per node."""
-        W = self.head.config.block_size
-        return num_nodes * (W + 1) if self.head.config.boundary else W
+        """Slots past the committed context a round writes: the block's W."""
+        return self.head.config.block_size
+
+    def resolve_tree(self, spec):
+        return best_first.resolve(self.head.config, spec)
 
     def verify_widths(self, spec) -> tuple[int, ...]:
         if isinstance(spec, tree_lib.BestFirstTree):
-            return self.best_first_widths(spec)
+            return best_first.widths(self, spec)
         if self.confidence == "off" or not tree_lib.is_chain(spec):
             return (spec.num_nodes,)
         return widths_lib.check_widths(self.widths or widths_lib.chain_widths(spec.num_nodes), spec.num_nodes)
@@ -170,21 +197,17 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
 
     def init(self, prompt_BxP, lengths_B, capacity, target_out) -> BlockState:
         B = prompt_BxP.shape[0]
-        if self.head.config.reads_state and getattr(target_out, "cache", None) is None:
-            raise ValueError("a ReaDy drafter reads the target's state after the prefill: target_out.cache is None")
         z = jnp.zeros((B,), jnp.int32)
-        feats = target_features(target_out)
-        if not self.head.config.boundary:
-            return BlockState(self._extend(self._empty_cache(B, capacity), feats, lengths_B), z,
-                              self._read_state(target_out.cache))
-        return self.dpara_init(prompt_BxP, lengths_B, self._empty_cache(B, capacity), feats)
+        return BlockState(self._extend(self._empty_cache(B, capacity), target_features(target_out), lengths_B), z, None)
 
     def block_pass(self, state: BlockState, root_B) -> BlockPass:
-        """This round's block: DSpark's backbone pass (`draft_block`); DPara's block chosen at the last
-        commit (`Boundaries.chosen_block`)."""
-        if self.head.config.boundary:
-            return self.chosen_block(state)
+        """This round's block: the backbone pass (`draft_block`; DPara: the block chosen at the last commit)."""
         return self.draft_block(state, root_B)
+
+    def inject(self, state: BlockState):
+        """What the backbone adds at its reader layer (`network.backbone`'s `inject`): None (ReaDy: its
+        read of the target's committed state)."""
+        return None
 
     def draft_block(self, state: BlockState, root_B):
         """The backbone pass: base logits [B, W, V], final hidden states [B, W, E], and the cache with
@@ -201,16 +224,12 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
             cache = kvcache.write(cache, i, k, v)  # scratch slots length..length+W-1
             return bound(q, cache, i)
 
-        if cfg.reads_state and state.target_state is None:
-            raise ValueError("this ReaDy drafter's state holds no target state: make it with this drafter's init")
-        inject = None if state.target_state is None else state_injector(self.head, state.target_state[:, :, None], 1)
-        h, pre = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, inject)
+        h, pre = backbone(self.head, block_input(self.head, self.target, root_B[:, None]), pos, attend, self.inject(state))
         h, pre = drafted_slots(cfg, h), drafted_slots(cfg, pre)  # draft position d: slot d (or d + 1)
         return BlockPass(base_logits(self.head, self.target, h), h, cache, pre)
 
     def propose(self, state: BlockState, root_B, ctx: DraftContext) -> Proposal:
-        prop = self._draft(state, self.block_pass(state, root_B), root_B, ctx)
-        return self.with_boundaries(prop, ctx) if self.head.config.boundary else prop
+        return self._draft(state, self.block_pass(state, root_B), root_B, ctx)
 
     def _draft(self, state: BlockState, blk: BlockPass, root_B, ctx: DraftContext) -> Proposal:
         cfg = self.head.config
@@ -218,7 +237,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         B = root_B.shape[0]
         base, h, cache, pre = blk
         if isinstance(ctx.spec, tree_lib.BestFirstTree):
-            return self._propose_best_first(state, cache, base, h, pre, root_B, ctx)
+            return best_first.propose(self, state, cache, base, h, pre, root_B, ctx)
         if not tree_lib.is_chain(ctx.spec):
             return self._propose_tree(state, cache, blk, root_B, ctx)
         active = jnp.ones((B,), bool) if ctx.active is None else ctx.active
@@ -279,9 +298,6 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         (the exact distribution this drafter would draft from there). Past the block (d >= W) q is
         uniform. The state is not changed."""
         W = self.head.config.drafts
-        if self.head.config.boundary:
-            raise ValueError("a DPara drafter drafts from a block precomputed for its own previous draft: it cannot "
-                             "score another drafter's tree (can_score=False)")
         base = self.draft_block(state, tree.tokens[:, 0]).base
         d = jnp.clip(tree.depth, 0, W - 1)
         logits = position_logits(self.head, jnp.take_along_axis(base, d[..., None], axis=1),
@@ -299,14 +315,7 @@ class BlockDrafter(BestFirst, Boundaries, ReadsState, heads.HeadDrafter):
         return widths_lib.fill_to_width(kept, active_B, self.verify_widths(spec))
 
     def commit(self, state: BlockState, committed: Committed) -> BlockState:
-        st = dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
-        if self.head.config.boundary:  # DPara: the next block is the one of the last accepted node
-            st = self.dpara_commit(state, st, committed)
-        if state.target_state is not None:  # a finished row's committed state stands still, like its cache
-            if committed.target is None:
-                raise ValueError("a ReaDy drafter commits the target's committed state: Committed.target is None")
-            st = dataclasses.replace(st, target_state=self._read_state(committed.target))
-        return st
+        return dataclasses.replace(state, cache=self._extend(state.cache, committed.features, committed.count))
 
     def loop_stats(self, state: BlockState) -> dict:
         return {"drafted": state.drafted}

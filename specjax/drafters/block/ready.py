@@ -93,15 +93,3 @@ def check_state_target(cfg: BlockConfig, target) -> tuple[int, ...]:
     if tuple(cfg.state_shape) != shape:
         raise ValueError(f"this ReaDy drafter reads states of shape {tuple(cfg.state_shape)}, the target's are {shape}")
     return tuple(linear.index(x) for x in cfg.state_layers)
-
-
-class ReadsState:
-    """The ReaDy part of `BlockDrafter`: which target state it reads, and the ablation."""
-
-    def _read_state(self, target_cache):
-        """The read layers' committed delta-rule states [L_read, B, H, dk, dv] (None without a
-        reader; zeros for the zeroed-state ablation)."""
-        if not self.head.config.reads_state:
-            return None
-        st = target_cache.state[jnp.asarray(self.state_index)].astype(jnp.float32)
-        return jnp.zeros_like(st) if self.zero_state else st

@@ -13,10 +13,10 @@ along its path, calibrated on what the target accepted in recent rounds:
            equal bins over [0, 1]; depths past `DEPTHS` share the last; pooled over rows): a
            drafter's confidence is rarely its acceptance rate (code-draft's third token is often
            accepted at q < 0.1); each depth's bin is shrunk toward the bin's rate over all depths
-           (`SHRINK` pseudo-observations) and the fit is made non-decreasing in q. The counts are
+           (`calibration.fit_pooled_rates`) and the fit is made non-decreasing in q. The counts are
            those of an offline
-           fit (`AcceptanceCalibration`, `adaptive_calibration.json` beside the drafter, written by
-           `train.adaptive_calibration` on validation prompts; at most `prior_weight`
+           fit (the "step" table of the drafter's `calibration.json`, `specjax.spec.calibration`, written
+           by `train.adaptive_calibration` on validation prompts; at most `prior_weight`
            pseudo-observations per bin; without one, a single pseudo-observation at g = q) plus
            this generation's own observations, decayed by `calibration_decay` per round
     rho_b  EMA(observed nodes accepted) / EMA(their g) on row b (`decay` per round): the row's
@@ -63,7 +63,7 @@ import numpy as np
 from specjax.spec import tree as tree_lib
 from specjax.spec import widths as widths_lib
 from specjax.drafters.base import SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal, StopRule
-from specjax.spec.calibration import isotonic, json_freeze, read_json_beside
+from specjax.spec.calibration import STEP, Calibration
 from specjax.typing import Array, Float, Int
 
 DEFAULT_DECAY = 0.7  # EMA weight of the past per round (the row's history correction)
@@ -71,69 +71,8 @@ CALIBRATION_DECAY = 0.98  # weight of the past per round of this generation's ac
 BINS = 20  # confidence bins of g(q, d)
 DEPTHS = 8  # depth rows of g(q, d); deeper nodes use the last
 CELLS = DEPTHS * BINS
-SHRINK = 5.0  # pseudo-observations pulling a depth's bin toward the bin's rate over all depths
 PRIOR_WEIGHT = 50.0  # pseudo-observations per bin at most from an offline calibration
-CALIBRATION_FILE = "adaptive_calibration.json"
 RHO_RANGE = (0.25, 4.0)  # the history correction is kept within this range
-CALIBRATION_FORMAT = "specjax-adaptive-calibration-v1"
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceptanceCalibration:
-    """Offline counts behind g(q, d): per depth (`DEPTHS`, the last for every deeper node) and
-    confidence bin (`BINS` equal bins of the node's own draft probability given its parent), flat
-    (depth-major, `CELLS` entries): nodes observed (their parent was accepted) and accepted."""
-    seen: tuple[float, ...]
-    hits: tuple[float, ...]
-    info: tuple = ()  # (key, value) pairs: target digest, drafter, trees, prompts, command
-
-    def __post_init__(self):
-        if len(self.seen) != CELLS or len(self.hits) != CELLS:
-            raise ValueError(f"an acceptance calibration has {DEPTHS} x {BINS} cells, got {len(self.seen)} / "
-                             f"{len(self.hits)}")
-        if any(h < 0 or h > n + 1e-6 for h, n in zip(self.hits, self.seen)):
-            raise ValueError("an acceptance calibration's accepted counts must be within [0, observed]")
-
-    def rates(self) -> np.ndarray:
-        """g(q, d) [DEPTHS, BINS]: each depth's bin shrunk toward the bin's rate over all depths
-        (itself shrunk toward g = q: one pseudo-observation at the bin's centre), then made
-        non-decreasing in q per depth (weighted isotonic fit, `taps.isotonic`)."""
-        n = np.asarray(self.seen, np.float64).reshape(DEPTHS, BINS)
-        h = np.asarray(self.hits, np.float64).reshape(DEPTHS, BINS)
-        centres = (np.arange(BINS) + 0.5) / BINS
-        pooled = (h.sum(0) + centres) / (n.sum(0) + 1.0)
-        rate = (h + SHRINK * pooled[None]) / (n + SHRINK)
-        return np.stack([isotonic(r, w + SHRINK) for r, w in zip(rate, n)])
-
-    def prior(self, weight: float = PRIOR_WEIGHT):
-        """(seen, hits) pseudo-counts [CELLS]: each cell's rate (`rates`) with as many
-        observations as it has, at most `weight`, and at least one."""
-        n = np.clip(np.asarray(self.seen, np.float64), 1.0, weight)
-        return jnp.asarray(n, jnp.float32), jnp.asarray(n * self.rates().reshape(-1), jnp.float32)
-
-    def to_json(self) -> dict:
-        grid = lambda x: np.asarray(x).reshape(DEPTHS, BINS).round(3).tolist()  # noqa: E731
-        return {"format": CALIBRATION_FORMAT, "depths": DEPTHS, "bins": BINS, "seen": grid(self.seen),
-                "hits": grid(self.hits), "rate": np.round(self.rates(), 3).tolist(), **dict(self.info)}
-
-    @classmethod
-    def from_json(cls, raw: dict, where: str = "adaptive calibration") -> "AcceptanceCalibration":
-        if raw.get("format") != CALIBRATION_FORMAT or raw.get("bins") != BINS or raw.get("depths") != DEPTHS:
-            raise ValueError(f"{where}: not a {CALIBRATION_FORMAT} file with {DEPTHS} x {BINS} cells")
-        try:
-            seen = tuple(float(x) for x in np.asarray(raw["seen"], np.float64).reshape(-1))
-            hits = tuple(float(x) for x in np.asarray(raw["hits"], np.float64).reshape(-1))
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{where}: seen / hits must be {DEPTHS} x {BINS} numbers each") from None
-        info = tuple((k, json_freeze(v)) for k, v in raw.items()
-                     if k not in ("format", "depths", "bins", "seen", "hits", "rate"))
-        return cls(seen, hits, info)
-
-
-def read_calibration(drafter_dir: str) -> AcceptanceCalibration | None:
-    """`adaptive_calibration.json` in the drafter's directory, or None when it has none."""
-    raw, file = read_json_beside(drafter_dir, CALIBRATION_FILE)
-    return None if raw is None else AcceptanceCalibration.from_json(raw, file)
 
 
 @jax.tree_util.register_dataclass
@@ -171,22 +110,6 @@ def order_by_score(tree: tree_lib.TreeBuffers, probs=None, rank=None):
     return out, probs, perm
 
 
-def accepted_nodes(tree: tree_lib.TreeBuffers, committed: Committed):
-    """(on_path, observed) [B, N]: the kept nodes on the accepted path (root included), and the kept
-    non-root nodes whose parent is on it (those whose acceptance this round tells something)."""
-    B, N = tree.tokens.shape
-    D = committed.tokens.shape[1] - 1
-    n = jnp.maximum(committed.count - 1, 0)
-    on = jnp.arange(N)[None] == 0
-    par = jnp.maximum(tree.parents, 0)
-    for d in range(1, D + 1):  # depth by depth: a node at depth d holding the d-th accepted token, child of the path
-        want = committed.tokens[:, d:d + 1] if d < committed.tokens.shape[1] else jnp.zeros((B, 1), jnp.int32)
-        on_parent = jnp.take_along_axis(on, par, axis=1) & (tree.parents >= 0)
-        on = on | (tree.valid & (tree.depth == d) & on_parent & (tree.tokens == want) & (d <= n)[:, None])
-    observed = tree.valid & (tree.parents >= 0) & jnp.take_along_axis(on, par, axis=1)
-    return on, observed
-
-
 def _empty_tree(B: int, N: int) -> tree_lib.TreeBuffers:
     return tree_lib.TreeBuffers(tokens=jnp.zeros((B, N), jnp.int32), parents=jnp.full((B, N), -1, jnp.int32),
                                 depth=jnp.zeros((B, N), jnp.int32), valid=jnp.zeros((B, N), bool),
@@ -198,7 +121,8 @@ class AdaptiveShape(Composite):
     pays most (see the module docstring). `costs`: round seconds at each of `widths` (default
     `widths.adaptive_widths(N)` of the tree), from `python -m tools.profile_widths --adaptive` on this machine
     and batch size; `decay`: the history EMA's weight of the past; `calibration`: the offline
-    acceptance counts (`AcceptanceCalibration`; None: g = q until observed); `calibration_decay`:
+    calibration (a `specjax.spec.calibration.Calibration` with a "step" table of DEPTHS x BINS; None: g = q
+    until observed); `calibration_decay`:
     the weight of the past per round of this generation's counts (1: no decay, what a fit uses);
     `draft_step_s`: seconds per drafted token of a depth-by-depth drafter's chain (the profile's
     draft_s / depth), which lets the chain stop early (None: draft it whole)."""
@@ -207,7 +131,7 @@ class AdaptiveShape(Composite):
     PARTS = ("inner",)
 
     def __init__(self, inner: Drafter, costs, *, widths: tuple[int, ...] | None = None, decay: float = DEFAULT_DECAY,
-                 calibration: AcceptanceCalibration | None = None, calibration_decay: float = CALIBRATION_DECAY,
+                 calibration: Calibration | None = None, calibration_decay: float = CALIBRATION_DECAY,
                  draft_step_s: float | None = None):
         if not isinstance(inner, Drafter):
             raise ValueError(f"AdaptiveShape wraps a drafter (a specjax.drafters.Drafter), got {type(inner).__name__}")
@@ -231,8 +155,12 @@ class AdaptiveShape(Composite):
         self.costs = costs
         self.widths = None if widths is None else tuple(int(w) for w in widths)
         self.decay = float(decay)
-        if calibration is not None and not isinstance(calibration, AcceptanceCalibration):
-            raise ValueError(f"calibration must be an AcceptanceCalibration, got {type(calibration).__name__}")
+        if calibration is not None:
+            if not isinstance(calibration, Calibration):
+                raise ValueError(f"calibration must be a Calibration, got {type(calibration).__name__}")
+            t = calibration.table(STEP)
+            if (t.depths, t.bins) != (DEPTHS, BINS):
+                raise ValueError(f"the adaptive shape's calibration has {DEPTHS} x {BINS} cells, got {t.depths} x {t.bins}")
         if not 0 < float(calibration_decay) <= 1:
             raise ValueError(f"calibration_decay must be in (0, 1], got {calibration_decay}")
         self.calibration_prior = calibration
@@ -291,7 +219,7 @@ class AdaptiveShape(Composite):
         if self.calibration_prior is None:
             centres = (jnp.arange(BINS, dtype=jnp.float32) + 0.5) / BINS
             return jnp.ones((CELLS,), jnp.float32), jnp.tile(centres, DEPTHS)
-        return self.calibration_prior.prior()
+        return self.calibration_prior.prior(STEP, PRIOR_WEIGHT)
 
     def calibration(self, state: AdaptiveState):
         """g: the acceptance rate per (depth, confidence bin) cell [CELLS] (prior + this generation's counts)."""
@@ -329,9 +257,7 @@ class AdaptiveShape(Composite):
         step_bin = (jnp.clip(tree.depth - 1, 0, DEPTHS - 1) * BINS
                     + jnp.clip(jnp.floor(step_q * BINS).astype(jnp.int32), 0, BINS - 1))  # the node's cell
         log_g = self.step_log_estimates(state, step_bin, real)
-        path = log_g
-        for _ in range(D - 1):  # path sums: each pass adds one more ancestor's term (depth <= D)
-            path = log_g + jnp.where(tree.parents >= 0, jnp.take_along_axis(path, par, axis=1), 0.0)
+        path = tree_lib.path_sum(log_g, tree.parents, D - 1)  # depth <= D: D - 1 ancestors' terms at most
         tree, probs, perm = order_by_score(tree, prop.probs, rank=path)
         path, step_bin = (jnp.take_along_axis(x, perm, axis=1) for x in (path, step_bin))
         est = jnp.where(tree.valid & (jnp.arange(N)[None] > 0), jnp.exp(jnp.minimum(path, 0.0)), 0.0)
@@ -353,7 +279,7 @@ class AdaptiveShape(Composite):
     def commit(self, state: AdaptiveState, committed: Committed) -> AdaptiveState:
         live = committed.count > 0  # a finished row's history stands still
         a = self.decay
-        on_path, observed = accepted_nodes(state.tree, committed)
+        on_path, observed = tree_lib.accepted_nodes(state.tree, committed.tokens, committed.count)
         obs = (observed & live[:, None]).astype(jnp.float32)
         hit = (on_path & observed & live[:, None]).astype(jnp.float32)
         mass = jnp.sum(obs * self.calibration(state)[state.step_bin], axis=1)

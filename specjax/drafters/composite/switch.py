@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.spec import tree as tree_lib
-from specjax.drafters.base import SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal
+from specjax.drafters.base import stat_sum, SAMPLED_RULES, Committed, Composite, DraftContext, Drafter, Proposal
 
 MODEL = 1  # TreeBuffers.source of the model drafter's nodes (the match drafter's: 0)
 
@@ -152,4 +152,10 @@ class Switch(Composite):
     def loop_stats(self, state: SwitchState) -> dict:
         """Engine hook: rounds the model drafter drafted and rounds in all, per row, and each part's own."""
         return {**super().loop_stats(state), "switch_model_rounds": state.model_rounds, "switch_rounds": state.rounds}
+
+    def report(self, stats, row: int | None = None) -> dict:
+        rounds = max(stat_sum(stats, "rounds", row), 1)
+        model = stat_sum(stats, "switch_model_rounds", row)
+        return {**super().report(stats, row),  # rounds the model drafter drafted
+                "switch": {"model_rounds": model, "model_round_share": round(model / rounds, 4)}}
 

@@ -14,7 +14,7 @@ Per round (`TreeGraft.propose`, inside the jitted loop):
      (`score(state, tree)`: one tree-attention forward for lm, depth by depth for feature) — skipped
      entirely when no row wants it; for a batch, its results apply to the rows that asked only;
   4. non-destructive rescoring: each node keeps the cheap drafter's cumulative log q and gains the
-     strong one's (`Proposal.scores`, a `SourceScores`); the ranking score is the strong score
+     strong one's (a `SourceScores`, in the round's `RoundInfo`); the ranking score is the strong score
      where present, else the cheap score plus `calibration` per token (fit offline); ranks are
      made monotone along paths (a child never outranks its parent), so selection stays connected;
   5. graft: at each node above the verify depth, the strong drafter's top `graft_topk` tokens that
@@ -46,7 +46,7 @@ from flax import nnx
 from specjax.io.checkpoint import weights_sha256
 from specjax.drafters.composite import scheduler as sched_lib
 from specjax.spec import tree as tree_lib
-from specjax.drafters.base import Committed, Composite, DraftContext, Drafter, Proposal, SourceScores
+from specjax.drafters.base import stat_sum, Committed, Composite, DraftContext, Drafter, Proposal
 from specjax.spec.sampling import SamplingParams
 from specjax.spec.tree import TreeBuffers
 
@@ -63,12 +63,22 @@ class Setting(nnx.Variable):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SourceScores:
+    """Per-source path scores of a multi-drafter tree (TreeGraft), kept side by side: nothing one
+    drafter said overwrites another's. Values are cumulative log q from the root; 0 where absent."""
+    cheap: Any  # the cheap drafter's, on the nodes it proposed
+    strong: Any  # the strong drafter's, on the nodes it scored or grafted
+    has_cheap: Any
+    has_strong: Any
+    origin: Any  # index of the node in the candidate pool (cheap tree, then grafts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class RoundInfo:
     """What `propose` decided this round, for `commit`'s statistics and the value system."""
-    tokens: Any  # [B, N] the verified tree
-    parents: Any
-    source: Any
-    valid: Any
+    tree: TreeBuffers  # [B, N] the verified tree
+    scores: SourceScores  # its nodes' per-source path scores
     invoked: Any  # bool [B]: the strong drafter scored / grafted this row
     features: Any  # [B, F] scheduler features of the cheap tree
     n_grafted: Any  # int [B]: grafted nodes in the verified tree
@@ -89,23 +99,6 @@ class GraftState:
 
 # ----------------------------------------------------------------------------- tree functions
 
-def path_sum(local_BxN, parents_BxN, max_depth: int):
-    """Cumulative sums from the root: out[i] = local[i] + out[parent(i)] (root: its own local)."""
-    par = jnp.maximum(parents_BxN, 0)
-    has = parents_BxN >= 0
-    return jax.lax.fori_loop(
-        0, max_depth, lambda _, c: local_BxN + jnp.where(has, jnp.take_along_axis(c, par, axis=1), 0.0), local_BxN)
-
-
-def path_min(rank_BxN, parents_BxN, max_depth: int):
-    """out[i] = min(rank[i], out[parent(i)]): no node outranks an ancestor."""
-    par = jnp.maximum(parents_BxN, 0)
-    has = parents_BxN >= 0
-    return jax.lax.fori_loop(
-        0, max_depth,
-        lambda _, c: jnp.where(has, jnp.minimum(rank_BxN, jnp.take_along_axis(c, par, axis=1)), rank_BxN), rank_BxN)
-
-
 def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_nodes: int, max_depth: int,
                graft_nodes: int, calibration=0.0):
     """Rescore, graft and select (steps 4-6 of the module docstring), a pure function.
@@ -123,9 +116,9 @@ def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_
     valid = cheap.valid
     root = jnp.arange(M)[None] == 0
     use = use_B[:, None]
-    strong_cum = path_sum(jnp.where(root, 0.0, strong_local.astype(jnp.float32)), cheap.parents, D)
+    strong_cum = tree_lib.path_sum(jnp.where(root, 0.0, strong_local.astype(jnp.float32)), cheap.parents, D)
     rank = jnp.where(use, strong_cum, cheap.score + jnp.where(cheap.depth > 0, calibration * cheap.depth, 0.0))
-    rank = jnp.where(valid, path_min(rank, cheap.parents, D), -jnp.inf)
+    rank = jnp.where(valid, tree_lib.path_min(rank, cheap.parents, D), -jnp.inf)
 
     if G > 0:
         # is_child[b, u, j]: the strong top token j at node u is already a child of u
@@ -164,16 +157,9 @@ def graft_tree(cheap: TreeBuffers, strong_local, top_tok, top_lq, use_B, *, num_
 
 def grafted_on_path(info: RoundInfo, committed: Committed):
     """(accepted path passes a grafted node [B], accepted grafted nodes [B]), from the committed
-    tokens: siblings carry distinct tokens, so the tokens name the accepted nodes."""
-    B, T = committed.tokens.shape
-    cur = jnp.zeros((B,), jnp.int32)
-    n = jnp.zeros((B,), jnp.int32)
-    for d in range(1, T):
-        match = info.valid & (info.parents == cur[:, None]) & (info.tokens == committed.tokens[:, d:d + 1])
-        hit = jnp.any(match, axis=1) & (d < committed.count)
-        nxt = jnp.argmax(match, axis=1).astype(jnp.int32)
-        cur = jnp.where(hit, nxt, cur)
-        n = n + (hit & (jnp.take_along_axis(info.source, nxt[:, None], axis=1)[:, 0] == STRONG)).astype(jnp.int32)
+    tokens (`tree.accepted_nodes`)."""
+    on, _ = tree_lib.accepted_nodes(info.tree, committed.tokens, committed.count)
+    n = jnp.sum(on & (info.tree.source == STRONG), axis=1).astype(jnp.int32)
     return n > 0, n
 
 
@@ -364,11 +350,9 @@ class TreeGraft(Composite):
         scored = (ctree.valid & (ctree.parents >= 0) & want[:, None] & jnp.isfinite(strong_local)
                   & jnp.isfinite(cheap_local))
         diff = jnp.where(scored, strong_local - cheap_local, 0.0)
-        info = RoundInfo(tokens=tree.tokens, parents=tree.parents, source=tree.source, valid=tree.valid,
-                         invoked=want, features=features, n_grafted=n_grafted,
+        info = RoundInfo(tree=tree, scores=scores, invoked=want, features=features, n_grafted=n_grafted,
                          calib_sum=diff.sum(1), calib_n=scored.sum(1).astype(jnp.float32))
-        return Proposal(tree=tree, probs=None, state=dataclasses.replace(state, cheap=cp.state, pending=info),
-                        scores=scores)
+        return Proposal(tree=tree, probs=None, state=dataclasses.replace(state, cheap=cp.state, pending=info))
 
     def commit(self, state: GraftState, committed: Committed) -> GraftState:
         cheap = self.cheap.commit(state.cheap, self.part_committed(committed, self.cheap))
@@ -391,6 +375,16 @@ class TreeGraft(Composite):
     def loop_stats(self, state: GraftState) -> dict:
         """Engine hook: per-row counters over the whole generation, and each drafter's own."""
         return {**super().loop_stats(state), **{f"treegraft_{c}": v for c, v in state.counters.items()}}
+
+    def report(self, stats, row: int | None = None) -> dict:
+        rounds = max(stat_sum(stats, "rounds", row), 1)
+        invoked = stat_sum(stats, "treegraft_invoked", row)
+        return {**super().report(stats, row), "treegraft": {
+            "invoked": invoked,  # rounds where the strong drafter ran
+            "invoke_rate": round(invoked / rounds, 4),
+            "grafted_proposed": stat_sum(stats, "treegraft_grafted_proposed", row),  # grafted nodes verified
+            "grafted_accepted_paths": stat_sum(stats, "treegraft_grafted_paths", row),  # accepted paths through a graft
+            "grafted_accepted_tokens": stat_sum(stats, "treegraft_grafted_tokens", row)}}
 
 
 def check_scheduler_drafters(meta: dict, specs: Sequence[str], where: str) -> None:
