@@ -44,7 +44,7 @@ from specjax.drafters.composite.adaptive import AdaptiveShape
 from specjax.spec.calibration import STEP, read_calibration
 from specjax.io.chat import check_messages, render_chat
 from specjax.io.gguf import convert_gguf
-from specjax.io.compile_cache import enable_compilation_cache
+from specjax.io.compile_cache import disable_programs, enable_compilation_cache
 from specjax.drafters import block, compose
 from specjax.drafters.block import parse_confidence
 from specjax.models.fold import FoldConfig
@@ -453,7 +453,7 @@ def compile_cache(args: argparse.Namespace):
     if args.no_compile_cache:
         return None
     try:
-        return enable_compilation_cache(args.compile_cache)
+        return enable_compilation_cache(args.compile_cache, programs=True)
     except ValueError as e:
         if args.compile_cache is not None:
             raise UsageError(f"--compile-cache: {e}") from None
@@ -636,4 +636,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except UsageError as e:
         args.subparser.error(str(e))  # `specjax generate: error: ...`, exit status 2
+    finally:
+        disable_programs()  # the traced-program store is this command's (a library caller opts in itself)
     return 2

@@ -247,7 +247,7 @@ def test_sampled_rule_with_markov_sampling_is_lossless(boundary, ar):
         head.ar_head.down.weight.set_value(jnp.asarray(rng.normal(size=(ar, cfg.hidden_size)), jnp.float32))
     head.markov_out.set_value(jnp.asarray(rng.normal(size=(4, SV)) * 1.5, jnp.float32))
     head.markov_embed.set_value(jnp.asarray(rng.normal(size=(SV, 4)), jnp.float32))
-    d = BlockDrafter(head, target)
+    d = BlockDrafter.for_config(cfg)(head, target)  # DPara's head: DParaDrafter
     prompt, root = [1, 5, 2], 3
     st1 = prefilled_state(d, target, prompt)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (ROWS,) + x.shape[1:]), st1)

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
@@ -238,9 +239,42 @@ def test_compilation_cache_second_process_hits(model_dir, tmp_path):
     assert cold["cache_hits"] == 0 and any(e.startswith("jit_") for e in entries)
     warm = run("--compile-cache", str(cache))
     assert warm["cache_hits"] > 0 and warm["tokens"] == cold["tokens"]
+    assert len(list((cache / "programs").glob("*.jaxexport"))) == 1  # the loop, traced once, kept
     assert {p.name for p in cache.iterdir()} == entries  # nothing new to write
     off = run("--no-compile-cache")
     assert off["cache_hits"] == 0 and off["tokens"] == cold["tokens"]
+
+
+def test_traced_program_store_runs_the_loop_without_tracing_it(tmp_path):
+    """`enable_compilation_cache(programs=True)` (the CLI's): the generation program is exported once, and a
+    process that finds it runs it without tracing the loop, with the same tokens and statistics; another
+    tree is another program (its own file). The store is the caller's: off unless asked for."""
+    from helpers import tiny_target
+    from specjax.drafters import NgramDrafter
+    from specjax.engine import loop as engine
+    from specjax.io import compile_cache as cc
+    target = tiny_target(64)
+    prompts, kw = [[1, 2, 3, 1, 2, 3, 1, 2]], dict(max_new_tokens=6, eos_token_id=(), drafters=[NgramDrafter()])
+    ref = specjax.generate(target, prompts, tree="chain=3", **kw)
+    assert cc._PROGRAMS is None
+    try:
+        cc.enable_compilation_cache(tmp_path, programs=True)
+        first = specjax.generate(target, prompts, tree="chain=3", **kw)
+        files = list((tmp_path / "programs").glob("*.jaxexport"))
+        assert len(files) == 1
+        cc._LOADED.clear()  # as a new process would: read the file back
+        before = engine.trace_count()
+        again = specjax.generate(target, prompts, tree="chain=3", **kw)
+        assert engine.trace_count() == before  # the loop was not traced
+        assert first.sequences() == again.sequences() == ref.sequences()
+        np.testing.assert_array_equal(again.stats["accepted"], ref.stats["accepted"])
+        specjax.generate(target, prompts, tree="chain=2", **kw)
+        assert len(list((tmp_path / "programs").glob("*.jaxexport"))) == 2
+    finally:
+        cc.disable_compilation_cache()
+        if os.environ.get("SPECJAX_TEST_JAX_CACHE"):  # the suite's own cache (conftest), as it was
+            cc.enable_compilation_cache(os.environ["SPECJAX_TEST_JAX_CACHE"], max_bytes=-1)
+    assert cc._PROGRAMS is None
 
 
 def test_compile_cache_folder_and_env(tmp_path, monkeypatch):

@@ -71,7 +71,8 @@ def test_cli_and_python_names_agree():
               "eos_token_id": "ignore_eos",  # the model's EOS, or none
               "state_budget_bytes": None,  # Python only: a memory guard for huge hybrid trees
               "target": "model", "spec": "drafter", "target_path": "model",  # load_drafter: from --model / --drafter
-              "costs": "verify_profile"}  # round seconds per width, read from a profile file
+              "costs": "verify_profile",  # round seconds per width, read from a profile file
+              "tuned": "untuned"}  # a drafter's recorded defaults: on unless --untuned
     for fn in (specjax.generate, load_drafter):
         for name in inspect.signature(fn).parameters:
             want = differ.get(name, name)

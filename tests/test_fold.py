@@ -288,14 +288,14 @@ def test_cli_fold_flag(tmp_path, capsys, monkeypatch):
     prompt = "def add(a, b):\n    return a + b\n" * 4
     base = ["generate", "--model", path, "--prompt", prompt, "--max-new-tokens", "6", "--ignore-eos", "--json"]
     # (a run with --fold is the engine path tested above; here: the flag reaches the drafter)
-    import specjax.cli as cli_mod
+    from specjax.drafters import compose as compose_mod  # the CLI loads its drafters through compose
     seen = []
 
     def spy(spec, target, fold=None, **kw):
         seen.append(fold)
         return load_drafter(spec, target, fold=fold, **kw)
 
-    monkeypatch.setattr(cli_mod, "load_drafter", spy)
+    monkeypatch.setattr(compose_mod, "load_drafter", spy)
     with pytest.raises(SystemExit) as e:  # refused by generate's check, before tracing
         main(base + ["--drafter", path, "--fold", "sinks=1,window=1000,lambda=0.25"])
     assert e.value.code == 2 and seen == [FoldConfig(sinks=1, window=1000, sharpen=0.25)]

@@ -20,7 +20,8 @@ PACKAGES = ("specjax", "pallas_kernels", "train", "tools")
 # Optional dependencies (absent from a base install, or heavy and needed by one path only) may be
 # imported where they are used.
 ALLOWED_LAZY = ("torch", "transformers", "matplotlib", "jax_triton", "llama_cpp", "gguf", "jinja2",
-                "jax.experimental.pallas.triton", "jax.experimental.pallas", "orbax", "optax", "tokenizers")
+                "jax.experimental.pallas.triton", "jax.experimental.pallas", "orbax", "optax", "tokenizers",
+                "flatbuffers")
 # specjax's layers, lowest first: a module may import from its own layer and those before it.
 LAYERS = ("typing", "spec", "models", "io", "drafters", "engine", "__init__", "cli", "__main__")
 TOP_LEVEL = {"specjax", "specjax.__main__", "specjax.cli", "specjax.typing"}  # the only flat modules

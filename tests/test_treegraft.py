@@ -27,7 +27,7 @@ import specjax
 from helpers import (cheap_compiles, chi_square, compare_greedy, noisy_lm_drafter, prefix_logits_fn, tiny_drafter_model,
                      tiny_target, word_model_dir)
 from specjax.engine import loop as engine
-from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from specjax.spec import tree as T, verify as V
 from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, FeatureHead, LMDrafter, NgramDrafter
 from specjax.models import transformer

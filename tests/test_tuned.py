@@ -92,6 +92,6 @@ def test_tune_defaults_smoke(capsys):
     from tools import tune_defaults
     assert tune_defaults.main(["--smoke", "--trees", "chain=2;chain=3", "--new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    rec = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    rec = json.loads(out[out.index("\n{\n") + 1:out.rindex("}") + 1])  # the record, after the candidates' lines
     assert rec["format"] == tuned_lib.FORMAT and rec["tree"] in ("chain=2", "chain=3")
     assert "chain=2" in rec["tuned_on"] and "chain=3" in rec["tuned_on"]

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         drafters = {}
         for name, d in drafter_dirs:
             try:
-                drafters[name] = load_drafter(d, target, target_path=args.target)
+                drafters[name] = load_drafter(d, target, target_path=args.target, tuned=False)
             except (OSError, ValueError) as e:
                 ap.error(f"--drafter {name}={d}: {e}")
         defaults = {"lm": ["chain=4", "chain=6", "depth=5,topk=4,nodes=16"]}

@@ -118,7 +118,8 @@ def load(name: str, smoke: bool):
         _, target, draft = smoke_models()
         prompt = [3, 5, 7, 11, 13, 5, 7, 11]
         drafters = {"ar": [], "lm chain=4": [LMDrafter(draft)], "ngram chain=6": [NgramDrafter()],
-                    "treegraft ngram+lm": [treegraft.build([NgramDrafter(), LMDrafter(draft)], "always")]}[name]
+                    "treegraft ngram+lm": [compose.build(compose.Stack.make(["ngram", "lm"], "treegraft"),
+                                                         [NgramDrafter(), LMDrafter(draft)])]}[name]
         tree = {"ar": None, "lm chain=4": "chain=4", "ngram chain=6": "chain=6",
                 "treegraft ngram+lm": "depth=3,topk=2,nodes=6"}[name]
         return target, drafters, tree, prompt
@@ -127,7 +128,7 @@ def load(name: str, smoke: bool):
     tdir, ddirs, tree, policy = CONFIGS[name]
     target = specjax.load_model(str(REPO / tdir))
     prompt = specjax.load_tokenizer(str(REPO / tdir)).encode(PROMPT).ids
-    drafters = [load_drafter(d if named_drafter(d) else str(REPO / d), target, target_path=str(REPO / tdir)) for d in ddirs]
+    drafters = [load_drafter(d if named_drafter(d) else str(REPO / d), target, target_path=str(REPO / tdir), tuned=False) for d in ddirs]
     if policy is not None:
         drafters = [compose.build(compose.Stack.make(ddirs, "treegraft", policy=policy), drafters)]
     return target, drafters, tree, prompt

@@ -48,7 +48,7 @@ def setup(args):
     drafters = {}
     for x in args.drafter:
         name, _, d = x.partition("=")
-        drafters[name] = load_drafter(d, target, target_path=args.target)
+        drafters[name] = load_drafter(d, target, target_path=args.target, tuned=False)
         if not isinstance(drafters[name], BlockDrafter):
             raise SystemExit(f"--drafter {x}: not a block drafter")
     prompt = prompt_sets.prompt_set("functions", load_tokenizer(args.target), 1, context_tokens=args.context)[0]["ids"]

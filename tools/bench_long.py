@@ -98,7 +98,7 @@ def zoo_setup(args):
     drafters = {}
     for name, path in (("lm", args.draft), ("feature", args.feature)):
         if path and os.path.isdir(path):
-            drafters[name] = load_drafter(path, target, target_path=args.target)
+            drafters[name] = load_drafter(path, target, target_path=args.target, tuned=False)
 
     def prompts(split):
         return prompt_sets.long_context_prompts(tok, tuple(args.lengths), per_length=args.prompts, split=split)

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         target = specjax.load_model(tdir)
         tok = load_tokenizer(tdir)
         prompts = [p["ids"] for p in prompt_sets.prompt_set("functions", tok, args.prompts, context_tokens=128)]
-        methods = [("ar", None)] + [(Path(d).name, load_drafter(d, target, target_path=tdir)) for d in ddirs]
+        methods = [("ar", None)] + [(Path(d).name, load_drafter(d, target, target_path=tdir, tuned=False)) for d in ddirs]
         for mname, drafter in methods:
             ref = None
             for m in meshes:

@@ -102,7 +102,7 @@ def load_models(args):
         for name, d in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
             if d and Path(d).is_dir():
                 drafters[name] = load_drafter(d, target, target_path=str(tdir),
-                                              **({"draft_vocab": args.draft_vocab} if "draft_vocab" in drafter_takes(d) and args.draft_vocab else {}))
+                                              **({"draft_vocab": args.draft_vocab} if "draft_vocab" in drafter_takes(d) and args.draft_vocab else {}), tuned=False)
         return target, drafters, prompts, f"zoo: {tdir.name}"
     from train import lm
     tcfg = lm.load_config(REPO / "configs/code-target.json").model

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from specjax.drafters import DraftContext, LMDrafter, NgramDrafter, drafter_takes, named_drafter
 from specjax.spec.sampling import SamplingParams
 from specjax.drafters.composite.treegraft import TreeGraft, check_scheduler_drafters
@@ -93,7 +93,7 @@ def zoo_setup(args):
     for name, path in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
         if os.path.isdir(path):
             drafters[name] = load_drafter(path, target, target_path=args.target,
-                                          draft_vocab=args.draft_vocab if "draft_vocab" in drafter_takes(path) else None)
+                                          draft_vocab=args.draft_vocab if "draft_vocab" in drafter_takes(path) else None, tuned=False)
     eval_sets = {}
     for s in args.sets.split(","):
         if s == "long":

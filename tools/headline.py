@@ -75,7 +75,7 @@ TARGET_OF = {d: t.path for t in TARGETS for d in t.drafters.values() if d}
 
 def bench_command(t: Target, prompts: int, new_tokens: int) -> tuple[list[str], list[str]]:
     """(the tools.bench arguments of a target's headline run, its method names)."""
-    methods, vocabs, weights, feature = ["ar", f"ngram {t.ngram}"], set(), set(), None
+    methods, vocabs, weights, rows = ["ar", f"ngram {t.ngram}"], set(), set(), {}
     for flag, d in t.drafters.items():
         if not d or not (REPO / d).is_dir():
             continue
@@ -83,8 +83,8 @@ def bench_command(t: Target, prompts: int, new_tokens: int) -> tuple[list[str], 
         methods.append(m)
         vocabs |= {v} - {None}
         weights |= {w} - {None}
-        if flag == "feature":
-            feature = m
+        rows[flag] = m
+    feature = rows.get("feature")  # the composites pair the n-gram with the feature drafter
     if feature is not None:
         fname, ftree = feature.split(" ", 1)
         methods.append(f"ngram|{fname} {t.ngram}|{ftree}|{t.switch_min_match}")

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         d = tempfile.mkdtemp()
         m.save_pretrained(d)
         assert drafter_kind(d) == "deepspec", drafter_kind(d)
-        drafter = load_drafter(d, target, target_path=tdir)
+        drafter = load_drafter(d, target, target_path=tdir, tuned=False)
         toks = np.random.default_rng(0).integers(0, V - 1, (1, 24)).astype(np.int32)
         feats = _features(target, jnp.asarray(toks))
         worst_logits = worst_conf = 0.0

@@ -108,12 +108,12 @@ def main(argv=None) -> int:
         prompt = prompt_sets.prompt_set("functions", specjax.load_tokenizer(args.target), 1,
                                         context_tokens=args.context)[0]["ids"]
         if named_drafter(args.drafter):
-            drafter = load_drafter(args.drafter, target)
+            drafter = load_drafter(args.drafter, target, tuned=False)
         else:
             name, sep, d = args.drafter.partition("=")
             if not sep:
                 ap.error(f"--drafter wants 'ngram' or NAME=DIR, got {args.drafter!r}")
-            drafter = load_drafter(d, target, target_path=args.target)
+            drafter = load_drafter(d, target, target_path=args.target, tuned=False)
         what = f"zoo: {Path(args.target).name}, {args.weights} weights" + (", batch-invariant" if invariant else "")
     rounds, total, calls, meta = profile(target, drafter, prompt, args.tree, args.new_tokens, work / "trace", dump)
     by_scope = defaultdict(float)

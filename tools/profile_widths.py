@@ -279,7 +279,7 @@ def main(argv=None) -> dict:
         target = specjax.load_model(args.target)
         try:
             drafter = load_drafter(args.drafter, target, target_path=args.target,
-                                   confidence="off" if args.adaptive else 0.5)
+                                   confidence="off" if args.adaptive else 0.5, tuned=False)
         except ValueError as e:
             ap.error(f"--drafter {args.drafter}: {e}")
         if not isinstance(drafter, BlockDrafter) and not args.adaptive:

@@ -59,7 +59,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     target = specjax.load_model(args.target)
     try:
-        drafter = load_drafter(args.drafter, target, target_path=args.target)
+        drafter = load_drafter(args.drafter, target, target_path=args.target, tuned=False)
         trees = args.tree or [drafter.default_tree]
         for t in trees:
             drafter.check_tree(drafter.resolve_tree(tree_lib.parse_tree_spec(t)), "greedy")

@@ -1,5 +1,5 @@
 """Distils the TreeGraft scheduler from a value dataset (train/value_system.py): an optax loop fits
-the MLP of `specjax.drafters.composite.scheduler` to the realised value of invoking the strong drafter.
+the MLP of `specjax.drafters.composite.treegraft_scheduler` to the realised value of invoking the strong drafter.
 
 Two formulations, both fit on the same split and compared on held-out PROMPTS (records of one
 prompt never straddle the split — rounds of one generation are correlated):
@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from train.common import repo_relative
 from train.value_system import load_dataset
 

@@ -94,7 +94,7 @@ def main(argv=None):
     from train import prompts as prompt_sets
     t0 = time.perf_counter()
     target = specjax.load_model(args.target)
-    drafter = load_drafter(args.drafter, target, target_path=args.target)
+    drafter = load_drafter(args.drafter, target, target_path=args.target, tuned=False)
     if not isinstance(drafter, Bk.BlockDrafter):
         sys.exit(f"error: {args.drafter} is not a block drafter")
     tok = load_tokenizer(args.target)

@@ -3,7 +3,7 @@
 On training-split prompts, each round starts from one state and runs BOTH branches from it with
 `specjax.engine.stepper.RoundStepper` (the engine's round, jitted once, the policy a traced value):
 "never" (cheap tree only) and "always" (the strong drafter rescores and grafts). Each record
-holds the scheduler features of the round's cheap tree (`specjax.drafters.composite.scheduler.FEATURE_NAMES`), each
+holds the scheduler features of the round's cheap tree (`specjax.drafters.composite.treegraft_scheduler.FEATURE_NAMES`), each
 branch's accepted tokens and each branch's measured time. The generation then continues from
 one branch (`--continue-with`: random by default, so the states visited mix both policies).
 
@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from specjax.drafters.composite.treegraft import TreeGraft
 from specjax.engine.stepper import RoundStepper
 
@@ -265,8 +265,8 @@ def main(argv=None) -> int:
     target = specjax.load_model(args.target)
     tok = specjax.load_tokenizer(args.target)
     try:
-        cheap = load_drafter(args.cheap, target, target_path=args.target)
-        strong = load_drafter(args.strong, target, target_path=args.target)
+        cheap = load_drafter(args.cheap, target, target_path=args.target, tuned=False)
+        strong = load_drafter(args.strong, target, target_path=args.target, tuned=False)
         tg = TreeGraft(cheap, strong, policy="never", cheap_tree=args.cheap_tree, graft_nodes=args.graft_nodes,
                        graft_topk=args.graft_topk)
         prompts = training_prompts(tok, args.sets.split(","), args.prompts_per_set, context_tokens=args.context,

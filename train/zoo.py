@@ -107,7 +107,7 @@ SCHEDULERS = MODELS / "treegraft"
 
 def scheduler_dirs() -> list[Path]:
     """TreeGraft's distilled schedulers, one per drafter pair (models/treegraft/<cheap+strong>)."""
-    from specjax.drafters.composite.scheduler import CONFIG_FILE
+    from specjax.drafters.composite.treegraft_scheduler import CONFIG_FILE
     return sorted(d for d in SCHEDULERS.iterdir() if (d / CONFIG_FILE).exists()) if SCHEDULERS.is_dir() else []
 
 
@@ -115,7 +115,7 @@ def scheduler_record(d: Path) -> dict:
     """Files' sha256, and the scheduler's decisions on a fixed grid of feature vectors (its weights
     and normalisation, not only its files, decide them)."""
     import numpy as np
-    from specjax.drafters.composite.scheduler import load_scheduler
+    from specjax.drafters.composite.treegraft_scheduler import load_scheduler
     sched, calibration, _ = load_scheduler(str(d))
     n_in = len(sched.config.feature_names)
     grid = np.linspace(-2.0, 2.0, 8 * n_in, dtype=np.float32).reshape(8, n_in)

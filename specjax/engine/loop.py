@@ -21,6 +21,7 @@ from specjax.spec import tree as tree_lib
 from specjax.spec import verify as verify_lib
 from specjax.spec import widths as widths_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
+from specjax.io import compile_cache
 from specjax.models import family
 from specjax.models.transformer import Model
 from specjax.spec.sampling import SamplingParams
@@ -151,9 +152,17 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     inputs = _placed(mesh, state, (family(model).PARTITION_RULES,), batch,
                      (SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos)))
     with sharding.mesh_context(mesh):
-        tokens, lengths = _generate_ar(graphdef, *inputs, capacity=batch.capacity,
-                                       max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
+        tokens, lengths = _run(_generate_ar, graphdef, inputs, mesh, capacity=batch.capacity,
+                               max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
     return GenerationResult(sharding.gather(tokens), sharding.gather(lengths))
+
+
+def _run(program, graphdef, inputs: tuple, mesh, **static):
+    """A generation program on its inputs: without a mesh through `compile_cache.call` (the traced-program
+    store, where the caller switched it on: the CLI), else the plain call."""
+    if mesh is None:
+        return compile_cache.call(program, (graphdef,), inputs, **static)
+    return program(graphdef, *inputs, **static)
 
 
 def _placed(mesh, state, rules: tuple, batch: PreparedBatch, replicated: tuple) -> tuple:
@@ -339,9 +348,9 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
                      (SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos),
                       jnp.float32(delta)))
     with sharding.mesh_context(mesh):
-        tokens, lengths, stats = _generate_spec(
-            graphdef, *inputs, capacity=batch.capacity, max_new_tokens=int(max_new_tokens), rule=rule, spec=spec,
-            mode=mode, greedy=temperature == 0)
+        tokens, lengths, stats = _run(_generate_spec, graphdef, inputs, mesh, capacity=batch.capacity,
+                                      max_new_tokens=int(max_new_tokens), rule=rule, spec=spec, mode=mode,
+                                      greedy=temperature == 0)
     tokens, lengths = sharding.gather(tokens), sharding.gather(lengths)
     stats = {k: sharding.gather(v) for k, v in stats.items()}
     rounds = np.maximum(stats["rounds"], 1)

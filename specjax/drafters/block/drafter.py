@@ -137,8 +137,11 @@ class BlockDrafter(heads.HeadDrafter):
         ("off", a threshold, "schedule" with `costs`); DPara's boundaries, ReaDy's zeroed state."""
         unknown = sorted(set(options) - set(self.RUN_OPTIONS))
         if unknown:
-            raise ValueError(f"the {self.name!r} drafter takes no option {', '.join(unknown)} "
-                             f"(it takes {', '.join(self.RUN_OPTIONS)})")
+            owners = {o: sub.__name__ for sub in BlockDrafter.__subclasses__() for o in sub.RUN_OPTIONS
+                      if o not in BlockDrafter.RUN_OPTIONS}
+            raise ValueError(f"the {self.name!r} drafter takes no option {', '.join(unknown)} (it takes "
+                             f"{', '.join(self.RUN_OPTIONS)}; " + "; ".join(
+                                 f"{o} is {owners[o].removesuffix('Drafter')}'s" for o in unknown if o in owners) + ")")
         kw = {**self.run_options(), **{k: v for k, v in options.items() if v is not None}}
         kw["confidence"] = parse_confidence(kw["confidence"])
         out = type(self)(self.head, self.target, widths=self.widths, path_calibration=self.path_calibration, **kw)

@@ -7,7 +7,7 @@ Per round (`TreeGraft.propose`, inside the jitted loop):
      spec: `cheap_tree`, by default a dynamic tree of about 2N nodes; for n-gram a trie of its
      best matches, of more nodes than N);
   2. the scheduler decides per row whether to invoke the strong drafter: policy "scheduler" (the
-     MLP of `specjax.drafters.composite.scheduler` over features of the cheap tree), "always" or "never". The policy
+     MLP of `specjax.drafters.composite.treegraft_scheduler` over features of the cheap tree), "always" or "never". The policy
      and the calibration offset are traced values (`Setting` variables), so all policies share
      one compiled program;
   3. `lax.cond(any row wants it)`: the strong drafter scores the whole candidate tree in one pass
@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.io.checkpoint import weights_sha256
-from specjax.drafters.composite import scheduler as sched_lib
+from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from specjax.spec import tree as tree_lib
 from specjax.drafters.base import stat_sum, Committed, Composite, DraftContext, Drafter, Proposal
 from specjax.spec.sampling import SamplingParams
@@ -203,7 +203,7 @@ class TreeGraft(Composite):
                              "(the oracle exists only in the evaluation: train/value_system.py)")
         if policy == "scheduler" and scheduler is None:
             raise ValueError("TreeGraft policy 'scheduler' needs a scheduler (load one with "
-                             "specjax.drafters.composite.scheduler.load_scheduler)")
+                             "specjax.drafters.composite.treegraft_scheduler.load_scheduler)")
         if int(graft_topk) != graft_topk or graft_topk < 0:
             raise ValueError(f"graft_topk must be a non-negative integer, got {graft_topk}")
         if graft_nodes is not None and (int(graft_nodes) != graft_nodes or graft_nodes < 0):
