@@ -339,8 +339,7 @@ def schedule_costs(args, target, drafters, log=print) -> tuple[dict, str | None]
         if not (isinstance(d, BlockDrafter) and d.head.config.confidence):
             continue
         chain = f"chain={d.head.config.block_size}"
-        widths = BlockDrafter(d.head, target, confidence=args.dspark_threshold).verify_widths(
-            tree_lib.parse_tree_spec(chain))
+        widths = d.with_options(confidence=args.dspark_threshold).verify_widths(tree_lib.parse_tree_spec(chain))
         if args.smoke and not args.verify_profile:
             out[name], used = costs_from_profile(smoke_profile(widths), args.batch, widths), "made up (smoke)"
             continue

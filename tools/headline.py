@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -111,7 +112,8 @@ def collect(targets=TARGETS) -> dict:
             continue
         data = json.loads(f.read_text())
         rows = [{k: r[k] for k in ("method", "tokens_per_s", "tau", "speedup", "check", "mean_verify_width",
-                                   "model_round_share", "invoke_rate") if k in r} for r in data["rows"]]
+                                   "model_round_share", "invoke_rate") if k in r} for r in data["rows"]
+                if r.get("temperature", 0) == 0 and "tokens_per_s" in r]  # greedy rows (tools.bench adds AR at T=1)
         out["targets"].append({"key": t.key, "label": t.label, "file": f"bench/headline_{t.key}.json",
                                "meta": {k: data["meta"].get(k) for k in ("cpu", "cores", "date", "command", "n_prompts",
                                                                           "new_tokens", "weights", "jax")},
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
                 print(f"[headline] {t.label}: {t.path} is not built (make smollm2): skipped", file=sys.stderr)
                 continue
             bench_args, _ = bench_command(t, args.prompts, args.new_tokens)
-            print("[headline] python -m tools.bench " + " ".join(bench_args), file=sys.stderr, flush=True)
+            print("[headline] python -m tools.bench " + shlex.join(bench_args), file=sys.stderr, flush=True)
             if args.dry_run:
                 continue
             rc = subprocess.call([sys.executable, "-m", "tools.bench", *bench_args], cwd=REPO)
