@@ -647,7 +647,9 @@ def main(argv=None):
         if unknown:
             ap.error(f"--methods: no method named {unknown}; with these drafters and options: "
                      + ", ".join(m.name for m in methods))
-        methods = [m for m in methods if m.name in keep or m.drafter is None]
+        kept = [m for m in methods if m.name in keep]
+        temps = {0.0} | {m.temperature for m in kept}  # the AR baseline of each temperature a kept row runs at
+        methods = [m for m in methods if m.name in keep or (m.drafter is None and m.temperature in temps)]
     groups = batches(prompts, args.batch)
     flat = [p for g in groups for p in g]
     rows, ar, meta_hf = [], {}, None
