@@ -576,7 +576,13 @@ def main(argv=None):
     ap.add_argument("--hf", action="store_true", help="also transformers' assisted generation (batch 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="JAX's persistent compilation cache folder: a rerun loads its programs instead of compiling "
+                         "them (the timed passes run after warm-up either way: the numbers do not change)")
     args = ap.parse_args(argv)
+    if args.compile_cache:
+        from specjax.io.compile_cache import enable_compilation_cache
+        enable_compilation_cache(args.compile_cache)
     if args.feature is None:  # a feature drafter reads its own target's features: never another target's
         args.feature = f"{args.target.rstrip('/')}-feature"
     if args.dspark is None:  # block drafters read their own target's features too
