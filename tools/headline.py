@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shlex
 import subprocess
@@ -65,14 +66,19 @@ def drafter_row(flag: str, directory: str) -> tuple[str, int | None, str | None]
     if rec and rec.tree:
         tree = rec.tree
     else:  # no record: the drafter's own default tree
-        import specjax
         from specjax.drafters import load_drafter
-        tree = load_drafter(str(REPO / directory), specjax.load_model(str(REPO / TARGET_OF[directory]))).default_tree
+        tree = load_drafter(str(REPO / directory), _target(TARGET_OF[directory]), tuned=False).default_tree
     name = ROW_NAME[flag] + (f"@{vocab}" if vocab else "") + (f"-{weights}" if weights else "")
     return f"{name} {tree}", vocab, weights
 
 
 TARGET_OF = {d: t.path for t in TARGETS for d in t.drafters.values() if d}
+
+
+@functools.lru_cache(maxsize=None)
+def _target(path: str):
+    import specjax
+    return specjax.load_model(str(REPO / path))
 
 
 def bench_command(t: Target, prompts: int, new_tokens: int) -> tuple[list[str], list[str]]:

@@ -26,10 +26,27 @@ from specjax.drafters.base import Drafter
 from specjax.drafters.composite import treegraft as treegraft_lib
 from specjax.drafters.composite.switch import Switch
 
-# composite kind -> (separator between its two parts, {option: parser}, defaults)
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A composite as the builder knows it: the separator between its two parts' names, its options
+    ({name: parser from text}), their defaults, and `make(drafters, parts, **options)`."""
+    sep: str
+    options: dict
+    defaults: dict
+    make: Callable
+
+
+def _treegraft(drafters, parts, *, policy, **options):
+    return treegraft_lib.build(drafters, policy, specs=parts, **options)  # a scheduler is checked against the parts
+
+
+def _switch(drafters, parts, **options):
+    return Switch(*drafters, **options)
+
+
 COMPOSITES = {
-    "treegraft": ("+", {"policy": str, "cheap_tree": str, "graft_nodes": int}, {"policy": "always"}),
-    "switch": ("|", {"min_match": int, "model_tree": str}, {"min_match": 3, "model_tree": "chain=3"}),
+    "treegraft": Kind("+", {"policy": str, "cheap_tree": str, "graft_nodes": int}, {"policy": "always"}, _treegraft),
+    "switch": Kind("|", {"min_match": int, "model_tree": str}, {"min_match": 3, "model_tree": "chain=3"}, _switch),
 }
 # options of a single drafter (`Drafter.with_options`), as parsed from text
 SINGLE_OPTIONS = {"confidence": str, "boundaries": int, "zero_state": lambda v: v in ("1", "true", "yes", "on")}
@@ -51,7 +68,7 @@ class Stack:
 
     def text(self) -> str:
         """The stack in `parse_stack`'s syntax."""
-        sep = COMPOSITES[self.composite][0] if self.composite else ""
+        sep = COMPOSITES[self.composite].sep if self.composite else ""
         return sep.join(self.parts) + "".join(f";{k}={v}" for k, v in self.options)
 
 
@@ -59,14 +76,14 @@ def parse_stack(text: str) -> Stack:
     """A Stack from its text (module docstring). Raises ValueError naming what is wrong."""
     head, *opts = text.split(";")
     composite, parts = None, (head,)
-    for kind, (sep, _, _) in COMPOSITES.items():
-        if sep in head:
-            parts = tuple(head.split(sep))
+    for kind, spec in COMPOSITES.items():
+        if spec.sep in head:
+            parts = tuple(head.split(spec.sep))
             composite = kind
             break
     if not all(parts) or (composite and len(parts) != 2):
         raise ValueError(f"drafter stack {text!r}: expected PART, CHEAP+STRONG or MATCHES|MODEL")
-    allowed = COMPOSITES[composite][1] if composite else SINGLE_OPTIONS
+    allowed = COMPOSITES[composite].options if composite else SINGLE_OPTIONS
     options = {}
     for o in opts:
         key, eq, value = o.partition("=")
@@ -94,11 +111,8 @@ def build(stack: Stack, resolve: Callable[[str], Drafter] | Mapping[str, Drafter
         return drafters[0].with_options(**opts) if opts else drafters[0]
     if stack.composite not in COMPOSITES:
         raise ValueError(f"unknown composite {stack.composite!r} ({', '.join(COMPOSITES)})")
-    opts = {**COMPOSITES[stack.composite][2], **opts}
-    if stack.composite == "treegraft":
-        policy = opts.pop("policy")
-        return treegraft_lib.build(drafters, policy, specs=stack.parts, **opts)
-    return Switch(*drafters, **opts)
+    kind = COMPOSITES[stack.composite]
+    return kind.make(drafters, stack.parts, **{**kind.defaults, **opts})
 
 
 def load_parts(specs: Sequence[str], target, *, target_path: str | None = None, tuned: bool = True,
@@ -115,8 +129,3 @@ def load_parts(specs: Sequence[str], target, *, target_path: str | None = None, 
             load_drafter(specs[0], target, target_path=target_path, tuned=tuned, **{name: given[name]})
     return [load_drafter(s, target, target_path=target_path, tuned=tuned, **{k: v for k, v in given.items() if k in t})
             for s, t in zip(specs, takes)]
-
-
-def stack_stats(drafter: Drafter, stats: Mapping, row: int) -> dict:
-    """A generation's per-row statistics of the stack's own (composites: `Drafter.report`), by section."""
-    return drafter.report(stats, row)
