@@ -52,8 +52,8 @@ from specjax.spec import tree as tree_lib
 from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, compose, load_drafter
 from specjax.spec.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
 from specjax.spec.widths import tree_widths
-from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_block_head,
-                           smoke_models, time_generation, with_speedup, write_outputs)
+from tools.harness import (REPO, Column, batches, check_cell, generation_row, greedy_check, run_meta,
+                           smoke_block_head, smoke_models, time_generation, with_speedup, write_outputs)
 from tools.profile_widths import draft_seconds
 from train.common import repo_relative  # paths written down relative to the repo
 
@@ -406,11 +406,6 @@ def chat_prompts(target_dir, tok, path, n) -> list[list[int]]:
     return [tok.encode(render_chat(target_dir, r["messages"])).ids for r in rows]
 
 
-def _check_cell(r):
-    chk = r.get("check")
-    return None if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
-
-
 def _measured(key, fmt):
     """A cell of a measured row; a peer that could not run says why in its tokens/s cell only."""
     return lambda r: None if "unsupported" in r or r.get(key) is None else fmt.format(r[key])
@@ -428,7 +423,7 @@ def table_columns(meta) -> list[Column]:
             Column("mean verify width", lambda r: None if _measured("mean_verify_width", "")(r) is None else
                    f"{r['mean_verify_width']:.2f}" + (f" (model rounds {r['model_round_share']:.2f})"
                                                       if "model_round_share" in r else "")),
-            Column("greedy check (exact / near-tie / mismatch)", _check_cell, right=False)]
+            Column("greedy check (exact / near-tie / mismatch)", check_cell, right=False)]
 
 
 def plot_rows(plt, rows, meta):

@@ -50,8 +50,8 @@ from specjax.drafters.composite.adaptive import AdaptiveShape
 from specjax.spec.calibration import FILE as CALIBRATION_FILE, STEP, read_calibration
 from specjax.spec.widths import adaptive_widths
 from specjax.models import family
-from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, time_generation,
-                           with_speedup, write_outputs)
+from tools.harness import (REPO, Column, batches, check_cell, generation_row, greedy_check, run_meta,
+                           time_generation, with_speedup, write_outputs)
 from tools.profile_widths import profile_rows
 from train.common import repo_relative
 
@@ -308,11 +308,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _check_cell(r):
-    chk = r.get("check")
-    return None if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
-
-
 def _width_cell(r):
     if "mean_verify_width" not in r:
         return None
@@ -326,7 +321,7 @@ COLUMNS = [Column("method", "method", right=False),
            Column("agreement", "agreement", "{:.3f}"), Column("prefix", "prefix", "{:.3f}"),
            Column("valid Python (vs lossless)", lambda r: f"{r['valid_python']:.2f} ({r['valid_vs_lossless']:.2f})"),
            Column("Δ log-lik / token", "delta_loglik", "{:+.3f}"),
-           Column("greedy check", _check_cell, right=False)]
+           Column("greedy check", check_cell, right=False)]
 
 
 def plot_adaptive(plt, rows, meta):

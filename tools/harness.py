@@ -263,6 +263,12 @@ def with_speedup(row: dict, baseline: dict) -> dict:
     return row
 
 
+def check_cell(r):
+    """A row's greedy check as a table cell, 'exact / near-tie / mismatch' (None: the row has none)."""
+    chk = r.get("check")
+    return None if chk is None else f"{chk['exact']} / {chk['near_tie']} / {chk['mismatch']}"
+
+
 def greedy_check(target, prompts, reference, candidate) -> dict:
     """Counts identical rows, honest near-ties (a divergence where the target's top-2 logits are
     within `NEAR_TIE`) and real mismatches of `candidate` against the greedy autoregressive

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.harness import check_cell
 from train.common import REPO
 
 OUT = REPO / "bench"
@@ -129,18 +130,13 @@ def collect(targets=TARGETS) -> dict:
     return out
 
 
-def _check_cell(r) -> str:
-    c = r.get("check")
-    return "—" if c is None else f"{c['exact']} / {c['near_tie']} / {c['mismatch']}"
-
-
 def table(head: dict) -> list[str]:
     lines = ["| target | method | tokens/s | τ | speedup vs AR | greedy check (exact / near-tie / mismatch) |",
              "|---|---|---:|---:|---:|---|"]
     for t in head["targets"]:
         for r in t["rows"]:
             lines.append(f"| {t['label']} | `{r['method'].replace('|', chr(92) + '|')}` | {r['tokens_per_s']:.1f} | "
-                         f"{r['tau']:.2f} | {r['speedup']:.2f}x | {_check_cell(r)} |")
+                         f"{r['tau']:.2f} | {r['speedup']:.2f}x | {check_cell(r) or '—'} |")
     return lines
 
 

@@ -38,9 +38,11 @@ def load_drafter(spec: str, target, fold=None, *, target_path: str | None = None
     draft_vocab / draft_weights the caller left None, and its tree becomes the drafter's default tree;
     False ignores it."""
     record = read_tuned(spec) if tuned and os.path.isdir(spec) else None
-    if record is not None:
-        fold, draft_vocab, draft_weights = (given if given is not None else rec for given, rec in zip(
-            (fold, draft_vocab, draft_weights), (record.options()[k] for k in ("fold", "draft_vocab", "draft_weights"))))
+    if record is not None:  # what the caller left out (None), from the record
+        rec = record.options()
+        fold = rec["fold"] if fold is None else fold
+        draft_vocab = rec["draft_vocab"] if draft_vocab is None else draft_vocab
+        draft_weights = rec["draft_weights"] if draft_weights is None else draft_weights
     given = {"fold": fold, "confidence": None if confidence in (None, "off") else confidence,
              "costs": None if costs is None else tuple(costs), "draft_vocab": draft_vocab}
     kind = drafter_kind(spec)
