@@ -101,7 +101,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch", type=int, default=None, metavar="MIN_MATCH",
                    help="Switch over the two --drafter flags (ngram, then a model drafter): each round, n-gram's --tree "
                         "where its match is an n-gram of at least MIN_MATCH tokens, the model drafter's --switch-tree "
-                        "elsewhere (specjax.drafters.composite.switch)")
+                        "elsewhere (specjax.drafters.composite.treegraft, policy switch)")
     p.add_argument("--switch-tree", default=None, metavar="SPEC",
                    help="with --switch: the model drafter's tree (default chain=3; it must fit --tree)")
     p.add_argument("--cheap-tree", default=None, metavar="SPEC",

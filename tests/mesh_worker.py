@@ -134,7 +134,7 @@ def composite() -> None:
     from specjax.drafters import BlockConfig, BlockDrafter, BlockHead, LMDrafter, NgramDrafter
     from specjax.models.fold import FoldConfig
     from specjax.models import family
-    from specjax.drafters.composite.switch import Switch
+    from specjax.drafters.composite.treegraft import Switch
     from specjax.drafters.composite.treegraft import TreeGraft
     assert len(jax.devices()) == 8, jax.devices()
     target = tiny_target(160, seed=0)

@@ -18,7 +18,7 @@ import pytest
 import specjax
 from helpers import cheap_compiles, noisy_lm_drafter, tiny_target
 from specjax.drafters import NgramDrafter, compose
-from specjax.drafters.composite.switch import Switch
+from specjax.drafters.composite.treegraft import Switch
 from specjax.drafters.composite.treegraft import TreeGraft
 from specjax.models.fold import FoldConfig
 

@@ -123,7 +123,8 @@ def test_treegraft_default_cheap_tree_is_a_trie_of_matches(target):
     tg = TreeGraft(NgramDrafter(), LMDrafter(target))
     for verify, k in (("depth=3,topk=3,nodes=8", 4), ("depth=3,topk=8,nodes=40", 14), ("chain=4", 4)):
         spec = T.parse_tree_spec(verify)
-        cspec, M, G, _ = tg.plan(spec)
+        p = tg.plan(spec)
+        cspec, M, G = p.cheap_spec, p.M, p.G
         D = spec.max_depth
         assert branches_of(cspec) == k and cspec.max_depth == D and M == k * D + 1 > spec.num_nodes, verify
         assert G == spec.num_nodes - 1

@@ -1,4 +1,4 @@
-"""Switch (`specjax.drafters.composite.switch`): n-gram's chain where its match is long, a model drafter's chain elsewhere.
+"""Switch (TreeGraft's switch policy, `specjax.drafters.composite.treegraft.Switch`): n-gram's chain where its match is long, a model drafter's chain elsewhere.
 
 - greedy output equals autoregressive output with an lm drafter (batch 1 and a ragged batch of 4) and
   a feature drafter (which reads target layers: the composite hands each part its own); both drafters
@@ -19,7 +19,7 @@ from helpers import cheap_compiles, compare_greedy, noisy_lm_drafter, prefix_log
 from specjax.engine import loop as engine
 from specjax.spec import tree as tree_lib
 from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead, NgramDrafter
-from specjax.drafters.composite.switch import Switch
+from specjax.drafters.composite.treegraft import Switch
 
 VOCAB = 64
 NEW = 16
@@ -55,7 +55,9 @@ def test_greedy_equals_autoregressive_and_both_drafters_draft(target, model, bat
     got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[sw], tree="chain=5")
     n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), prefix_logits_fn(target, prompts))
     assert n_exact + n_near == batch
-    st = got.stats
+    st = dict(got.stats)
+    st["switch_model_rounds"] = st["treegraft_action_strong"]
+    st["switch_rounds"] = st["treegraft_action_cheap"] + st["treegraft_action_strong"]
     assert (st["switch_rounds"] == st["rounds"]).all()
     if batch == 1:
         assert 0 < st["switch_model_rounds"].sum() < st["switch_rounds"].sum(), st
@@ -115,7 +117,7 @@ def test_cli_switch(capsys, model_dir):
     assert main(base + ["--switch", "2", "--switch-tree", "chain=2"]) == 0
     [row] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert row["tokens"] == ref
-    assert 0 < row["switch"]["model_rounds"] < row["rounds"], row  # both drafters drafted
+    assert 0 < row["treegraft"]["actions"]["strong"] < row["rounds"], row  # both drafters drafted
 
     def usage_error(argv, message):
         with pytest.raises(SystemExit) as e:
@@ -133,12 +135,11 @@ def test_cli_switch(capsys, model_dir):
 
 
 def test_composites_forward_each_parts_state_partition():
-    """A part's own `state_partition` lays out its field of a Switch's / TreeGraft's state (no tracing)."""
+    """A part's own `state_partition` lays out its field of a Switch's (TreeGraft's) state (no tracing)."""
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
     from specjax.drafters.composite import treegraft
     from specjax.drafters import LMDrafter
-    from specjax.drafters.composite.switch import SwitchState
 
     class Pinned(LMDrafter):
         def state_partition(self, state, batch):
@@ -146,10 +147,30 @@ def test_composites_forward_each_parts_state_partition():
 
     model = Pinned(noisy_lm_drafter(VOCAB).model)  # a new drafter: the shared one stays as it is
     row = jnp.zeros((3,), jnp.int32)
+    state = treegraft.GraftState(cheap=(), strong={"any": row}, tau_ema=row, last_accepted=row, acc_ema=row,
+                                 last_action=row, generated=row, counters={})
     sw = Switch(NgramDrafter(), model, model_tree="chain=2", min_match=2)
-    spec = sw.state_partition(SwitchState(matches=(), model={"any": row}, used_model=row, model_rounds=row,
-                                          rounds=row), 3)
-    assert spec.model == {"pinned": P("model")} and spec.used_model == P("data")
+    spec = sw.state_partition(state, 3)
+    assert spec.strong == {"pinned": P("model")} and spec.last_action == P("data")
     graft = treegraft.build([NgramDrafter(), model], "always")
-    state = treegraft.GraftState(cheap=(), strong={"any": row}, tau_ema=row, last_accepted=row, counters={})
     assert graft.state_partition(state, 3).strong == {"pinned": P("model")}
+
+
+@pytest.mark.parametrize("model,batch", [("lm", 1), ("lm", 4), ("feature", 2)])
+def test_switch_policy_is_the_former_switch(target, model, batch):
+    """TreeGraft's switch policy gives the former Switch composite's outputs, rounds (so tau) and verified
+    widths, row by row (the reference: tests/reference_switch.py)."""
+    from reference_switch import Switch as ReferenceSwitch
+    drafter = noisy_lm_drafter(VOCAB) if model == "lm" else FeatureDrafter(
+        FeatureHead(FeatureConfig.for_target(target.config), nnx.Rngs(4)), target)
+    prompts = _prompts(batch, seed=batch + 3)
+    kw = dict(max_new_tokens=NEW, eos_token_id=(), tree="chain=5")
+    ref = specjax.generate(target, prompts, drafters=[ReferenceSwitch(NgramDrafter(), drafter, model_tree="chain=2",
+                                                                      min_match=2)], **kw)
+    got = specjax.generate(target, prompts, drafters=[Switch(NgramDrafter(), drafter, model_tree="chain=2",
+                                                             min_match=2)], **kw)
+    assert got.sequences() == ref.sequences()
+    for key in ("rounds", "verified_nodes", "accepted_at_depth"):
+        np.testing.assert_array_equal(np.asarray(got.stats[key]), np.asarray(ref.stats[key]), err_msg=key)
+    np.testing.assert_array_equal(np.asarray(got.stats["treegraft_action_strong"]),
+                                  np.asarray(ref.stats["switch_model_rounds"]))

@@ -1,10 +1,12 @@
 """TreeGraft (design §6): a cheap and a strong drafter, one composite drafter in the unchanged loop.
 
-- greedy output equals autoregressive output for every policy (always / never / scheduler), for
+- greedy output equals autoregressive output for every action (cheap / strong / graft / recover / union) and
+  policy (always / never / switch / a one-output scheduler / a scheduler over actions), for
   lm+lm (a noisy copy of the target as the strong drafter, a tiny random model as the cheap one)
   and ngram+lm, batch 1 and a ragged batch of 4; all policies share one compiled program;
 - the deterministic-candidates rule stays lossless on mixed-source trees built by `graft_tree`
-  (chi-square over 1e5 rounds, as tests/test_verify.py);
+  (chi-square over 1e5 rounds, as tests/test_verify.py); the union merges shared prefixes; the value
+  system's records count each action's accepted length as verification does, and the oracle is exact;
 - rescoring is non-destructive; grafting adds exactly the strong top tokens missing from the tree;
   the selected tree stays connected and topological (property test); `score` equals each
   drafter's own drafting distributions;
@@ -33,7 +35,7 @@ from specjax.drafters import DraftContext, FeatureConfig, FeatureDrafter, Featur
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 from specjax.spec.sampling import SamplingParams
-from specjax.drafters.composite.treegraft import STRONG, TreeGraft, graft_tree
+from specjax.drafters.composite.treegraft import ACTIONS, STRONG, TreeGraft, graft_tree, record_columns, union_tree
 
 VOCAB = 64
 TREE = "depth=3,topk=3,nodes=8"  # the verify budget (as tools/bench_treegraft.py --smoke: shared compiles)
@@ -99,35 +101,119 @@ _logits_fn = prefix_logits_fn  # compare_greedy's reference logits (helpers)
 
 # ----------------------------------------------------------------------------- greedy exactness
 
+def toy_action_scheduler():
+    """A scheduler over actions: recover where the row accepted nothing last round, the cheap chain elsewhere
+    (one unit, as `toy_scheduler`)."""
+    s = sched_lib.Scheduler(sched_lib.SchedulerConfig(kind="regression", actions=sched_lib.ACTIONS))
+    i = sched_lib.FEATURE_NAMES.index("last_accepted")
+    k0 = np.zeros((sched_lib.NUM_FEATURES, 32), np.float32)
+    k0[i, 0] = -1.0
+    b0 = np.zeros(32, np.float32)
+    b0[0] = 0.5
+    k1 = np.zeros((32, 32), np.float32)
+    k1[0, 0] = 1.0
+    k2 = np.zeros((32, len(sched_lib.ACTIONS)), np.float32)
+    k2[0, sched_lib.ACTIONS.index("recover")] = 1.0
+    k2[0, sched_lib.ACTIONS.index("cheap")] = -1.0
+    b2 = np.full(len(sched_lib.ACTIONS), -1.0, np.float32)
+    b2[[sched_lib.ACTIONS.index("recover"), sched_lib.ACTIONS.index("cheap")]] = 0.0
+    for layer, k, b in zip(s.layers, (k0, k1, k2), (b0, np.zeros(32), b2)):
+        layer.kernel.set_value(jnp.asarray(k))
+        layer.bias.set_value(jnp.asarray(b, jnp.float32))
+    return s
+
+
 @pytest.mark.parametrize("pair", ["lm+lm", "ngram+lm"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_autoregressive_for_every_policy(target, strong, cheap_lm, pair, batch):
+    """Every action, the former policies, the switch policy and both kinds of scheduler: the target's own
+    tokens, one compiled program for all (the policy is a traced setting; a scheduler of another
+    architecture is another program)."""
     cheap = cheap_lm if pair == "lm+lm" else NgramDrafter()
-    tg = TreeGraft(cheap, strong, scheduler=toy_scheduler(), policy="always")
     prompts = _prompts(batch, seed=batch, repetitive=pair == "ngram+lm")
     ref = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=())
-    traces = None
-    for policy in ("always", "never", "scheduler"):
-        tg.set_policy(policy)
-        got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[tg], tree=TREE)
-        n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), _logits_fn(target, prompts))
-        assert n_exact + n_near == batch, policy
-        st_ = got.stats
-        rounds, invoked = st_["rounds"], st_["treegraft_invoked"]
-        if policy == "always":
-            assert (invoked == rounds).all()
-            assert st_["treegraft_grafted_proposed"].sum() > 0
-            # the strong drafter is the target plus noise: its grafts are accepted
-            assert st_["treegraft_grafted_paths"].sum() > 0
-            assert (st_["treegraft_grafted_tokens"] >= st_["treegraft_grafted_paths"]).all()
-            assert (st_["treegraft_grafted_paths"] <= st_["accepted_at_depth"][:, 0]).all()
-        elif policy == "never":
-            assert (invoked == 0).all() and (st_["treegraft_grafted_proposed"] == 0).all()
-        else:
-            assert 0 < invoked.sum() < rounds.sum(), (invoked, rounds)
-        if traces is None:
-            traces = engine.trace_count()
-        assert engine.trace_count() == traces  # policies are traced values: one program for all
+    for sched in (toy_scheduler(), toy_action_scheduler()):
+        tg = TreeGraft(cheap, strong, scheduler=sched, policy="always", grow=2)
+        traces = None
+        policies = ("scheduler",) if sched.config.actions else (
+            ("always", "never", "scheduler") + ACTIONS + (("switch",) if pair == "ngram+lm" else ()))
+        for policy in policies:
+            tg.set_policy(policy)
+            got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[tg], tree=TREE)
+            n_exact, n_near = compare_greedy(ref.sequences(), got.sequences(), _logits_fn(target, prompts))
+            assert n_exact + n_near == batch, policy
+            st_ = got.stats
+            rounds, invoked = st_["rounds"], st_["treegraft_invoked"]
+            acts = {a: st_[f"treegraft_action_{a}"] for a in ACTIONS}
+            assert (sum(acts.values()) == rounds).all()
+            rep = tg.report(st_)["treegraft"]
+            assert rep["actions"] == {a: int(v.sum()) for a, v in acts.items()}
+            if policy == "always":
+                assert (invoked == rounds).all() and (acts["graft"] == rounds).all()
+                assert st_["treegraft_grafted_proposed"].sum() > 0
+                # the strong drafter is the target plus noise: its grafts are accepted
+                assert st_["treegraft_grafted_paths"].sum() > 0
+                assert (st_["treegraft_tokens_strong"] >= st_["treegraft_grafted_paths"]).all()
+                assert (st_["treegraft_grafted_paths"] <= st_["accepted_at_depth"][:, 0]).all()
+            elif policy in ("never", "cheap"):
+                assert (invoked == 0).all() and (st_["treegraft_grafted_proposed"] == 0).all()
+            elif policy == "recover":  # the grown subtrees are accepted (the strong drafter is nearly the target)
+                assert st_["treegraft_tokens_recovered"].sum() > 0 and rep["recovered_share"] > 0
+            elif policy in ACTIONS:
+                assert (acts[policy] == rounds).all() and (invoked == rounds).all()
+            elif sched.config.actions:  # both of its actions taken
+                assert 0 < acts["recover"].sum() < rounds.sum() and acts["recover"].sum() + acts["cheap"].sum() == \
+                    rounds.sum()
+            elif policy == "scheduler":
+                assert 0 < invoked.sum() < rounds.sum(), (invoked, rounds)
+            if policy in ("cheap", "strong"):  # a small action verifies its own width, not the budget
+                assert (st_["verified_nodes"] < 8 * rounds).all()
+            if traces is None:
+                traces = engine.trace_count()
+            assert engine.trace_count() == traces  # policies are traced values: one program for all
+
+
+def test_union_merges_shared_prefixes():
+    """union_tree: the strong chain's prefix equal to the cheap chain is the chain's own nodes (siblings stay
+    distinct), the rest hangs under the last shared node."""
+    root = jnp.array([5])
+    chain = T.chain_tree(root, jnp.array([[1, 2, 3]]))
+    strong = T.chain_tree(root, jnp.array([[1, 2, 7]]))
+    u = union_tree(chain, strong, 4)
+    valid = np.asarray(u.valid[0])
+    assert np.asarray(u.tokens[0]).tolist() == [5, 1, 2, 3, 1, 2, 7]
+    assert valid.tolist() == [True, True, True, True, False, False, True]
+    assert int(u.parents[0, 6]) == 2 and int(u.depth[0, 6]) == 3  # 7 under the chain's "2"
+    other = T.chain_tree(root, jnp.array([[4, 2, 3]]))  # nothing shared: a second branch under the root
+    u = union_tree(chain, other, 4)
+    assert np.asarray(u.valid[0]).all() and np.asarray(u.parents[0]).tolist() == [-1, 0, 1, 2, 0, 4, 5]
+
+
+def test_labelled_records_and_oracle(target, strong):
+    """The value system's view: each action's accepted length counted against the known continuation
+    equals what greedy verification accepts when that action is taken; the oracle (best goodput in
+    hindsight) stays exact."""
+    prompts = _prompts(2, seed=7, repetitive=True)
+    ref = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=())
+    fut = np.asarray(specjax.generate(target, prompts, max_new_tokens=NEW + 8, eos_token_id=()).sequences(), np.int32)
+    tg = TreeGraft(NgramDrafter(), strong, policy="switch", grow=2)
+    widths = tg.verify_widths(T.parse_tree_spec(TREE))
+    lab = tg.labelled(fut, rounds=NEW, draft_s=[0.0, 1e-3, 2e-3, 3e-3, 1e-3], verify_s=[1e-3] * len(widths),
+                      widths=widths, lam=100.0)
+    for policy in ("switch", "oracle", "recover"):
+        lab.set_policy(policy)
+        got = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[lab], tree=TREE)
+        assert got.sequences() == ref.sequences(), policy
+        rec = np.asarray(got.stats["treegraft_records"])  # [B, R, K]
+        cols = record_columns()
+        n = np.asarray(got.stats["rounds"])
+        taken = rec[..., cols.index("action")].astype(int)
+        acc = rec[..., [cols.index(f"acc_{a}") for a in ACTIONS]]
+        for b in range(2):
+            # the accepted length of the action taken is what the round accepted
+            accepted = [acc[b, r, taken[b, r]] for r in range(n[b])]
+            assert sum(accepted) == int(got.stats["accepted"][b]), (policy, b)
+            assert (acc[b, :n[b]] >= 0).all() and (acc[b, :n[b]] <= T.parse_tree_spec(TREE).max_depth).all()
 
 
 # ----------------------------------------------------------------------------- losslessness
@@ -315,7 +401,8 @@ def test_selection_is_connected_and_topological(seed):
 def test_rescoring_is_non_destructive(target, strong, cheap_lm):
     tg = TreeGraft(cheap_lm, strong, policy="always", calibration=-0.25)
     spec = T.parse_tree_spec(TREE)
-    cspec, M, _, _ = tg.plan(spec)
+    p = tg.plan(spec)
+    cspec, M = p.cheap_spec, p.M
     batch = engine.prepare_prompts(_prompts(2, seed=11, repetitive=False), VOCAB, 8, slack=64)
     graphdef, _ = nnx.split((target, tg))
     ctx = DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0))
@@ -387,10 +474,19 @@ def test_bad_input_is_refused_before_tracing(target, strong, cheap_lm, tmp_path)
                                                          num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)))
     with pytest.raises(ValueError, match="share one vocabulary"):
         TreeGraft(other, strong)
-    with pytest.raises(ValueError, match="cannot score"):
+    with pytest.raises(ValueError, match="must be a model drafter"):
         TreeGraft(cheap_lm, NgramDrafter())
-    with pytest.raises(ValueError, match="unknown TreeGraft policy"):
+    no_score = type("NoScore", (LMDrafter,), {"can_score": False})(strong.model)
+    with pytest.raises(ValueError, match="cannot score"):
+        TreeGraft(cheap_lm, no_score, policy="recover")
+    with pytest.raises(ValueError, match="only in the evaluation"):
         TreeGraft(cheap_lm, strong, policy="oracle")
+    with pytest.raises(ValueError, match="unknown TreeGraft policy"):
+        TreeGraft(cheap_lm, strong, policy="sometimes")
+    with pytest.raises(ValueError, match="switch policy reads the cheap drafter's match length"):
+        TreeGraft(cheap_lm, strong, policy="switch")
+    with pytest.raises(ValueError, match="grow must be a positive integer"):
+        TreeGraft(cheap_lm, strong, grow=0)
     with pytest.raises(ValueError, match="needs a scheduler"):
         TreeGraft(cheap_lm, strong, policy="scheduler")
     p = _prompts(1, seed=0, repetitive=False)

@@ -281,7 +281,7 @@ def family(method: str) -> str | None:
         return "DDTree"
     if "treeflash" in rest:
         return "TreeFlash"
-    if "|" in drafter:  # 'MATCHES|MODEL': `specjax.drafters.composite.switch.Switch`
+    if "|" in drafter:  # 'MATCHES|MODEL': TreeGraft's switch policy (`specjax.drafters.composite.treegraft.Switch`)
         return "Switch"
     base = drafter.partition("@")[0]
     return {"lm": "lm drafter", "ngram": "n-gram", "feature": "feature (EAGLE-style)", "mtp": "MTP",

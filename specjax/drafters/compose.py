@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 from specjax.drafters import drafter_takes, load_drafter
 from specjax.drafters.base import Drafter
 from specjax.drafters.composite import treegraft as treegraft_lib
-from specjax.drafters.composite.switch import Switch
+from specjax.drafters.composite.treegraft import Switch
 
 @dataclasses.dataclass(frozen=True)
 class Kind:

@@ -105,7 +105,7 @@ class NgramDrafter(Drafter):
     def match_length(self, hist: History, root_B) -> Int[Array, "B"]:
         """The n of the best match `propose` drafts from this round (the longest n-gram the context,
         root included, ends with and that occurred before; 0: none): how far the match can be
-        trusted (`specjax.drafters.composite.switch` reads it)."""
+        trusted (TreeGraft's switch policy and scheduler read it)."""
         C = hist.tokens.shape[1]
         rank_Bx1, _ = self._best_matches(self._context(hist, root_B), hist.length + 1, 1)
         return jnp.where(rank_Bx1[:, 0] >= 0, rank_Bx1[:, 0] // C, 0)

@@ -35,11 +35,15 @@ from safetensors.numpy import load_file, save_file
 
 from specjax.spec.tree import TreeBuffers
 
-FEATURE_LAYOUT = "treegraft-features-v1"
+ACTIONS = ("cheap", "strong", "graft", "recover", "union")  # TreeGraft's actions (specjax.drafters.composite.treegraft)
+FEATURE_LAYOUT_V1 = "treegraft-features-v1"  # the first layout: one output (invoke the strong drafter or not)
+FEATURE_LAYOUT = "treegraft-features-v2"
 FEATURE_DEPTH = 8  # depths 1..8 get top-1 / entropy features; deeper nodes are ignored
-FEATURE_NAMES = tuple([f"top1_d{d}" for d in range(1, FEATURE_DEPTH + 1)]
-                      + [f"entropy_d{d}" for d in range(1, FEATURE_DEPTH + 1)]
-                      + ["path_mass", "tau_ema", "last_accepted", "batch_size"])
+FEATURE_NAMES_V1 = tuple([f"top1_d{d}" for d in range(1, FEATURE_DEPTH + 1)]
+                         + [f"entropy_d{d}" for d in range(1, FEATURE_DEPTH + 1)]
+                         + ["path_mass", "tau_ema", "last_accepted", "batch_size"])
+FEATURE_NAMES = FEATURE_NAMES_V1 + ("match_length", "leaves", "acc_cheap_ema", "acc_strong_ema") + tuple(
+    f"last_{a}" for a in ACTIONS) + ("active_share",)
 NUM_FEATURES = len(FEATURE_NAMES)
 CONFIG_FILE = "scheduler_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -78,16 +82,31 @@ def tree_features(tree: TreeBuffers, budget: int, tau_ema_B, last_accepted_B) ->
     return jnp.concatenate(cols, axis=1).astype(jnp.float32)
 
 
+def extra_features(base_BxF, match_B, leaves_B, acc_ema_Bx2, last_action_B, active_B) -> jax.Array:
+    """The second layout's columns after the first's (`tree_features`): the n-gram's match length (0 for
+    a model drafter), the cheap tree's leaves (distinct matches of an n-gram trie), recent accepted
+    tokens from cheap and from strong nodes, the last action (one-hot), the share of active rows."""
+    B = base_BxF.shape[0]
+    share = jnp.broadcast_to(jnp.mean(active_B.astype(jnp.float32)), (B, 1))
+    cols = [base_BxF, match_B[:, None].astype(jnp.float32), leaves_B[:, None].astype(jnp.float32),
+            acc_ema_Bx2.astype(jnp.float32), jax.nn.one_hot(last_action_B, len(ACTIONS), dtype=jnp.float32), share]
+    return jnp.concatenate(cols, axis=1).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     hidden: tuple[int, ...] = (32, 32)
     kind: str = "classification"  # output: logit of "invoking pays" | predicted value (normalised)
     feature_layout: str = FEATURE_LAYOUT
     feature_names: tuple[str, ...] = FEATURE_NAMES
+    actions: tuple[str, ...] = ()  # one value per action (argmax); () = the first layout's one output
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"scheduler kind must be one of {KINDS}, got {self.kind!r}")
+        if self.actions and (self.kind != "regression" or tuple(self.actions) != ACTIONS):
+            raise ValueError(f"a scheduler over actions predicts one value per action {ACTIONS} (kind regression), got "
+                             f"{self.actions} ({self.kind})")
         if not self.hidden or any(int(h) < 1 for h in self.hidden):
             raise ValueError(f"scheduler hidden sizes must be positive, got {self.hidden}")
 
@@ -107,7 +126,8 @@ class Dense(nnx.Module):
 
 
 class Scheduler(nnx.Module):
-    """MLP: normalised features -> one output per row; invoke where output > threshold."""
+    """MLP: normalised features -> one output per row (invoke where output > threshold), or, with
+    `config.actions`, one value per action (`values`; TreeGraft takes the argmax)."""
 
     def __init__(self, cfg: SchedulerConfig = SchedulerConfig(), seed: int = 0):
         F = len(cfg.feature_names)
@@ -116,7 +136,7 @@ class Scheduler(nnx.Module):
         self.mean = Stat(jnp.zeros((F,), jnp.float32))
         self.scale = Stat(jnp.ones((F,), jnp.float32))
         self.threshold = Stat(jnp.zeros((), jnp.float32))
-        dims = (F,) + tuple(int(h) for h in cfg.hidden) + (1,)
+        dims = (F,) + tuple(int(h) for h in cfg.hidden) + (max(len(cfg.actions), 1),)
         self.layers = nnx.List([Dense(a, b, rng) for a, b in zip(dims[:-1], dims[1:])])
 
     def __call__(self, features_BxF) -> jax.Array:
@@ -127,12 +147,23 @@ class Scheduler(nnx.Module):
                 x = jax.nn.gelu(x)
         return x[..., 0]
 
+    def values(self, features_BxF) -> jax.Array:
+        """[B, A] predicted value of each action (a scheduler over actions)."""
+        x = (features_BxF - self.mean[...]) / self.scale[...]
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = jax.nn.gelu(x)
+        return x
+
     def decide(self, features_BxF) -> jax.Array:
         return self(features_BxF) > self.threshold[...]
 
 
 def check_layout(layout: str, names, where: str) -> None:
-    if layout != FEATURE_LAYOUT or tuple(names) != FEATURE_NAMES:
+    """Refuses a layout this specjax does not compute (the first layout's features are the second's
+    first columns: its schedulers read those)."""
+    if (layout, tuple(names)) not in ((FEATURE_LAYOUT, FEATURE_NAMES), (FEATURE_LAYOUT_V1, FEATURE_NAMES_V1)):
         raise ValueError(
             f"{where}: the scheduler was trained on feature layout {layout!r} ({len(names)} features) but this "
             f"specjax computes {FEATURE_LAYOUT!r} ({NUM_FEATURES} features: {', '.join(FEATURE_NAMES)}); "
@@ -151,7 +182,7 @@ def save_scheduler(sched: Scheduler, path: str, *, calibration: float = 0.0, met
     cfg = sched.config
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump({"format": FORMAT, "feature_layout": cfg.feature_layout, "feature_names": list(cfg.feature_names),
-                   "hidden": list(cfg.hidden), "kind": cfg.kind, "threshold": float(sched.threshold[...]),
+                   "hidden": list(cfg.hidden), "kind": cfg.kind, "actions": list(cfg.actions), "threshold": float(sched.threshold[...]),
                    "calibration": float(calibration), "meta": meta or {}}, f, indent=2)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
 
@@ -168,7 +199,8 @@ def load_scheduler(path: str) -> tuple[Scheduler, float, dict]:
     if raw.get("format") != FORMAT:
         raise ValueError(f"{cfg_file}: not a TreeGraft scheduler (format {raw.get('format')!r})")
     check_layout(raw.get("feature_layout"), raw.get("feature_names", []), cfg_file)
-    cfg = SchedulerConfig(hidden=tuple(raw["hidden"]), kind=raw["kind"])
+    cfg = SchedulerConfig(hidden=tuple(raw["hidden"]), kind=raw["kind"], feature_layout=raw["feature_layout"],
+                          feature_names=tuple(raw["feature_names"]), actions=tuple(raw.get("actions", ())))
     sched = Scheduler(cfg)
     file = os.path.join(path, WEIGHTS_FILE)
     try:
@@ -217,6 +249,11 @@ def measure_cost(sched: Scheduler, batch: int, tree_nodes: int, budget: int, rep
 
     @jax.jit
     def decide(state, tree, tau, last):
-        return nnx.merge(graphdef, state).decide(tree_features(tree, budget, tau, last))
+        s = nnx.merge(graphdef, state)
+        f = tree_features(tree, budget, tau, last)
+        if len(s.config.feature_names) > f.shape[1]:
+            z = jnp.zeros((batch,), jnp.int32)
+            f = extra_features(f, z, z, jnp.zeros((batch, 2)), z, jnp.ones((batch,), bool))
+        return s.values(f) if s.config.actions else s.decide(f)
 
     return time_call(decide, state, tree, jnp.ones((batch,)), jnp.zeros((batch,), jnp.int32), repeats=repeats)

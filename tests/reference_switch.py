@@ -1,4 +1,7 @@
-"""Switch: a match drafter's chain where its match is long, a model drafter's chain elsewhere, as ONE
+"""The Switch composite as it was before it became TreeGraft's "switch" policy (kept as the reference the
+policy is tested against, tests/test_switch.py: same outputs, verify widths and acceptance).
+
+Switch: a match drafter's chain where its match is long, a model drafter's chain elsewhere, as ONE
 composite drafter behind the ordinary protocol (the engine loop does not know it is there).
 
 Prompt lookup (`ngram`) is free and, where the text repeats, long and right; a learned drafter is
