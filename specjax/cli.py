@@ -93,11 +93,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with this drafter: 'ngram' (prompt lookup), 'mtp' (the MTP layers "
                         "shipped in the model's own checkpoint), a feature-, block- or MTP-drafter directory, or "
                         "a small model directory with the same tokenizer. Give two, cheapest first, with --treegraft or --switch")
-    p.add_argument("--treegraft", default=None, metavar="SCHEDULER_DIR|always|never",
-                   help="TreeGraft over the two --drafter flags (cheap, then strong): the strong drafter rescores "
-                        "and grafts the cheap drafter's tree when the scheduler (a directory written by "
-                        "train/distill_scheduler.py) says it pays, on every round (always) or never; "
+    p.add_argument("--treegraft", default=None, metavar="SCHEDULER_DIR|POLICY",
+                   help="TreeGraft over the two --drafter flags (cheap, then strong): per round and row one action "
+                        "(the cheap chain, the strong tree, a graft, a recovered subtree, their union) chosen by a "
+                        "scheduler (a directory written by train/distill_scheduler.py) or a fixed policy: an action "
+                        "(cheap, strong, graft, recover, union), switch, always (graft) or never; "
                         "--tree sets the verify budget")
+    p.add_argument("--strong-tree", default=None, metavar="SPEC",
+                   help="with --treegraft: the strong drafter's own tree (strong and union actions; default: its own "
+                        "default tree where it fits --tree)")
     p.add_argument("--switch", type=int, default=None, metavar="MIN_MATCH",
                    help="Switch over the two --drafter flags (ngram, then a model drafter): each round, n-gram's --tree "
                         "where its match is an n-gram of at least MIN_MATCH tokens, the model drafter's --switch-tree "
@@ -407,8 +411,9 @@ def drafter_stack(args: argparse.Namespace):
     """The `compose.Stack` the drafter flags describe (None: the one --drafter as loaded)."""
     if args.treegraft is not None and (args.switch is not None or args.switch_tree is not None):
         raise UsageError("--treegraft and --switch combine the two --drafter flags in different ways: give one")
-    if args.treegraft is None and (args.cheap_tree is not None or args.graft_nodes is not None):
-        raise UsageError("--cheap-tree and --graft-nodes need --treegraft")
+    if args.treegraft is None and (args.cheap_tree is not None or args.graft_nodes is not None
+                                   or args.strong_tree is not None):
+        raise UsageError("--cheap-tree, --graft-nodes and --strong-tree need --treegraft")
     if args.switch is None and args.switch_tree is not None:
         raise UsageError("--switch-tree needs --switch")
     n = len(args.drafter)
@@ -420,6 +425,7 @@ def drafter_stack(args: argparse.Namespace):
         if n != 2:
             raise UsageError(f"--treegraft combines exactly two --drafter flags (cheapest first), got {n}")
         return compose.Stack.make(args.drafter, "treegraft", policy=args.treegraft, cheap_tree=args.cheap_tree,
+                                  strong_tree=args.strong_tree,
                                   graft_nodes=args.graft_nodes)
     if args.switch is not None:
         if n != 2:

@@ -525,43 +525,60 @@ def test_bad_input_is_refused_before_tracing(target, strong, cheap_lm, tmp_path)
 
 # ----------------------------------------------------------------------------- offline pipeline + CLI
 
+def _cost_table(tg):
+    """A cost table of made-up seconds (the shape tools.profile_widths --treegraft writes): actions that
+    run the strong drafter cost more, wider verification costs more."""
+    from train.value_system import COST_FORMAT
+    widths = tg.verify_widths(T.parse_tree_spec(TREE))
+    return {"format": COST_FORMAT, "actions": list(ACTIONS), "batches": {"1": {
+        "widths": list(widths), "draft_s": [1e-4, 2e-3, 2.5e-3, 4e-3, 2e-3], "verify_s": [1e-3 * (1 + w / 8) for w in widths]}}}
+
+
 @pytest.fixture(scope="module")
 def distilled(target, strong, tmp_path_factory):
     from train import distill_scheduler, value_system
     root = tmp_path_factory.mktemp("tg_value")
-    tg = TreeGraft(NgramDrafter(), strong, policy="never")
+    tg = TreeGraft(NgramDrafter(), strong, policy="switch", grow=2)
     prompts = _prompts(3, seed=21, repetitive=True) + _prompts(2, seed=22, repetitive=False)
-    data = value_system.collect(target, tg, TREE, prompts, max_new_tokens=NEW, progress=False,
+    costs = _cost_table(tg)
+    data = value_system.collect(target, tg, TREE, prompts, costs, max_new_tokens=NEW, progress=False,
                                 prompt_sets=["rep"] * 3 + ["rand"] * 2)
     out = value_system.write_dataset(root / "values", data, {"models": {"target": "tiny"}, "config": {"tree": TREE}})
     summary = distill_scheduler.distill([out], root / "run", root / "sched",
-                                        distill_scheduler.DistillConfig(steps=30, eval_every=15, batch_size=64),
+                                        distill_scheduler.DistillConfig(steps=30, eval_every=15, batch_size=64,
+                                                                        min_match=3),
                                         progress=False)
-    return root, data, summary
+    return root, data, summary, costs
 
 
 def test_value_system_and_distillation_end_to_end(target, strong, distilled):
     from train import distill_scheduler, value_system
-    root, data, summary = distilled
-    n = len(data["value"])
+    root, data, summary, costs = distilled
+    n, A = len(data["value"]), len(ACTIONS)
     assert n > 10 and data["features"].shape == (n, sched_lib.NUM_FEATURES)
-    assert (data["time_on"] > 0).all() and (data["time_off"] > 0).all()
-    expect = (data["accepted_on"] + 1) / np.median(data["time_on"]) - (data["accepted_off"] + 1) / np.median(data["time_off"])
-    np.testing.assert_allclose(data["value"], expect, rtol=1e-4)
-    assert np.isfinite(data["calibration"]) and float(data["calibration"]) < 0
+    assert data["accepted"].shape == data["width"].shape == data["value"].shape == (n, A)
+    assert set(np.unique(data["behaviour"])) == {"switch", "oracle"}
+    # labels: goodput contributions at the fixed point lam of the per-round best choice
+    cost = value_system.action_cost(data["width"], costs["batches"]["1"], data["available"])
+    np.testing.assert_allclose(data["value"], data["accepted"] + 1 - float(data["lam"]) * cost, rtol=1e-4)
+    pick = np.argmax(data["value"], axis=1)
+    assert value_system.policy_goodput(pick, data["accepted"], cost) == pytest.approx(float(data["lam"]), rel=1e-4)
+    for a in range(A):  # the oracle's rate bounds every fixed action's
+        assert value_system.policy_goodput(np.full(n, a), data["accepted"], cost) <= float(data["lam"]) * (1 + 1e-6)
+    # the union holds the cheap chain: it accepts at least what the chain accepts
+    assert (data["accepted"][:, ACTIONS.index("union")] >= data["accepted"][:, ACTIONS.index("cheap")]).all()
     prov = json.loads((root / "values" / "provenance.json").read_text())
     assert prov["feature_names"] == list(sched_lib.FEATURE_NAMES) and prov["records"] == n and prov["created"]
     loaded, _ = value_system.load_dataset([root / "values"])
     assert len(loaded["value"]) == n
-    # both formulations were fit and compared on held-out prompts; the export loads
-    assert set(summary["heldout"]) == {"classification", "regression"} and summary["chosen"] in summary["heldout"]
+    # held-out goodput of the scheduler beside the Switch's rule, each fixed action and the oracle
+    m = summary["heldout"]
     assert summary["heldout_prompts"] >= 1 and summary["train_prompts"] >= 1
-    for m in summary["heldout"].values():
-        assert 0.0 <= m["accuracy"] <= 1.0 and m["gain_oracle"] >= m["gain"] - 1e-3
-    assert (root / "run" / "classification" / "metrics.jsonl").is_file()
-    assert any(p.name.isdigit() for p in (root / "run" / "regression" / "checkpoints").iterdir())
+    assert m["oracle"] >= m["goodput"] - 1e-6 and m["oracle"] >= m["switch"] - 1e-6 and set(m["fixed"]) <= set(ACTIONS)
+    assert (root / "run" / "metrics.jsonl").is_file()
+    assert any(p.name.isdigit() for p in (root / "run" / "checkpoints").iterdir())
     sched, calibration, meta = sched_lib.load_scheduler(str(root / "sched"))
-    assert calibration == pytest.approx(float(data["calibration"]), rel=1e-5) and "heldout_accuracy" in meta
+    assert sched.config.actions == ACTIONS and "heldout" in meta
     # a finished run resumes as a no-op; a run dir from another dataset is refused
     distill_scheduler.distill([root / "values"], root / "run", None,
                               distill_scheduler.DistillConfig(steps=30, eval_every=15, batch_size=64), progress=False)
@@ -605,13 +622,14 @@ def test_cli_treegraft(capsys, model_dir, distilled):
     ref = specjax.generate(model, [ids], max_new_tokens=NEW, eos_token_id=()).sequences()[0]
     base = ["generate", "--model", model_dir, "--prompt", "def add ( a , b ) : return a + b", "--max-new-tokens",
             str(NEW), "--ignore-eos", "--drafter", "ngram", "--drafter", model_dir, "--tree", TREE, "--json"]
-    for how in ("always", str(root / "sched")):
+    for how in ("always", "recover", str(root / "sched")):
         assert main(base + ["--treegraft", how]) == 0
         [row] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
         assert row["tokens"] == ref
         tg = row["treegraft"]
-        assert set(tg) == {"invoked", "invoke_rate", "grafted_proposed", "grafted_accepted_paths",
-                           "grafted_accepted_tokens"}
+        assert set(tg) == {"policy", "invoked", "invoke_rate", "actions", "accepted_tokens", "recovered_share",
+                           "grafted_proposed", "grafted_accepted_paths"}
+        assert sum(tg["actions"].values()) == row["rounds"]
         if how == "always":
             assert tg["invoked"] == row["rounds"] and tg["grafted_accepted_paths"] >= 1  # the target drafts itself
 
@@ -631,6 +649,7 @@ def test_cli_treegraft(capsys, model_dir, distilled):
                 "deterministic-candidates")
     usage_error(["generate", "--model", model_dir, "--prompt", "a", "--drafter", "ngram", "--graft-nodes", "2"],
                 "need --treegraft")
+    usage_error(base + ["--treegraft", "oracle"], "only in the evaluation")
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import specjax
@@ -219,6 +220,88 @@ def method_drafter(target, drafters, m: Method):
         return compose.build(stack, drafters)
     except ValueError as e:
         raise ValueError(f"method {m.name!r}: {e}") from None
+
+
+def is_oracle(m: Method) -> bool:
+    """TreeGraft's hindsight oracle (`CHEAP+STRONG;policy=oracle TREE`): it needs the AR row's outputs."""
+    if m.drafter is None:
+        return False
+    stack = compose.parse_stack(m.drafter)
+    return stack.composite == "treegraft" and stack.opts.get("policy") == "oracle"
+
+
+def oracle_row(target, drafters, m: Method, groups, new_tokens: int, repeats: int, ar_sequences) -> dict:
+    """The hindsight oracle's row: TreeGraft `labelled` with each row's greedy continuation (the AR row's
+    outputs) and an action cost table profiled here (`tools.profile_widths.treegraft_costs`, this batch
+    size); per round and row the action of the best goodput contribution, lam at the fixed point of the
+    first (untimed) pass's records (`train.value_system.goodput_rate`). Every action is built every round
+    (it must know each one's accepted length), so its measured tokens/s is a lower bound; `modelled_tokens_per_s`
+    prices its chosen actions by the cost table."""
+    from specjax.drafters.composite.treegraft import ACTIONS, record_columns
+    from tools.profile_widths import treegraft_costs
+    from train import value_system
+    stack = compose.parse_stack(m.drafter)
+    opts = {**stack.opts, "policy": "graft"}
+    tg = compose.build(compose.Stack.make(stack.parts, "treegraft", **opts), drafters)
+    spec = tg.resolve_tree(tree_lib.parse_tree_spec(m.tree))
+    B = len(groups[0])
+    table = treegraft_costs(target, tg, spec, [B], context=256, repeats=3, log=lambda s: print(s, file=sys.stderr))
+    row_c = table["batches"][str(B)]
+    widths = tg.verify_widths(spec)
+    T = new_tokens + spec.max_depth + 1
+    futs, i = [], 0
+    for g in groups:
+        f = np.full((len(g), T), -1, np.int32)
+        for j in range(len(g)):
+            seq = ar_sequences[i + j][:T]
+            f[j, :len(seq)] = seq
+        futs.append(f)
+        i += len(g)
+    draft = [d if d is not None else 1e9 for d in row_c["draft_s"]]
+    lab = tg.labelled(futs[0], rounds=new_tokens, draft_s=draft, verify_s=row_c["verify_s"], widths=widths,
+                      lam=1.0 / row_c["verify_s"][0])
+    lab.set_policy("oracle")
+    kw = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=[lab], tree=m.tree)
+    names = record_columns()
+
+    def records(results):
+        acc, wid, taken = [], [], []
+        for r in results:
+            rec, n = np.asarray(r.stats["treegraft_records"]), np.asarray(r.stats["rounds"])
+            for b in range(rec.shape[0]):
+                k = min(int(n[b]), rec.shape[1])
+                acc.append(rec[b, :k, [names.index(f"acc_{a}") for a in ACTIONS]].T)
+                wid.append(rec[b, :k, [names.index(f"width_{a}") for a in ACTIONS]].T)
+                taken.append(rec[b, :k, names.index("action")])
+        return (np.concatenate(acc).astype(int), np.concatenate(wid).astype(int),
+                np.concatenate(taken).astype(int))
+
+    def one_pass():
+        out = []
+        for g, f in zip(groups, futs):
+            lab.future.set_value(jnp.asarray(f))
+            out.append(specjax.generate(target, g, **kw))
+        return out
+
+    acc, wid, _ = records(one_pass())  # untimed: compiles, and the rounds that fix lam
+    cost = value_system.action_cost(wid, row_c, tg.plan(spec).available)
+    lam = value_system.goodput_rate(acc, cost)
+    lab.lam.set_value(jnp.float32(lam))
+    times, results = [], None
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        results = one_pass()
+        times.append(time.perf_counter() - t0)
+    row = {"method": m.name, **generation_row(results, times, speculative=True, drafter=lab)}
+    acc, wid, taken = records(results)
+    cost = value_system.action_cost(wid, row_c, tg.plan(spec).available)
+    rows_ = np.arange(len(taken))
+    row["oracle"] = {"lam_tokens_per_s": lam, "cost_table": row_c, "cpu": table["cpu"],
+                     "modelled_tokens_per_s": float((acc[rows_, taken] + 1).sum() / cost[rows_, taken].sum()),
+                     "modelled_fixed": {a: value_system.policy_goodput(np.full(len(taken), i), acc, cost)
+                                        for i, a in enumerate(ACTIONS) if np.isfinite(cost[:, i]).all()},
+                     "share": {a: float(np.mean(taken == i)) for i, a in enumerate(ACTIONS)}}
+    return row
 
 
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
@@ -657,7 +740,10 @@ def main(argv=None):
     draft_ms = None if args.no_draft_ms else {}
     for m in methods:
         print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
-        row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms)
+        if is_oracle(m):
+            row = oracle_row(target, drafters, m, groups, args.new_tokens, args.repeats, ar[0.0]["sequences"])
+        else:
+            row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms)
         row["temperature"] = m.temperature
         if m.drafter is None:
             ar[m.temperature] = row

@@ -219,6 +219,37 @@ def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: 
     return rows
 
 
+def treegraft_costs(target, tg, spec, batches, context: int, repeats: int, loops: int = LOOPS, log=print) -> dict:
+    """TreeGraft's action cost table (train/value_system.py reads it): per batch size, draft seconds per
+    action (`draft_seconds` of the composite with the action forced: its propose, the scheduler's
+    features and both commits; an action that does not fit the setup: null) and the target's
+    verification seconds at each of the composite's compiled widths."""
+    from specjax.drafters.composite.treegraft import ACTIONS
+    from train.value_system import COST_FORMAT
+    spec = tg.resolve_tree(tree_lib.parse_tree_spec(spec) if isinstance(spec, str) else spec)
+    widths = tg.verify_widths(spec)
+    available = tg.plan(spec).available
+    keep, rows = tg.policy, {}
+    for B in batches:
+        prompts = random_prompts(target.config.vocab_size, B, context, seed=B)
+        draft = []
+        for a, ok in zip(ACTIONS, available):
+            if not ok:
+                draft.append(None)
+                continue
+            tg.set_policy(a)
+            draft.append(draft_seconds(target, tg, prompts, spec, repeats, loops))
+        tg.set_policy(keep)
+        ver = verify_seconds(target, tuple(tg.target_layers), prompts, spec, widths, repeats, loops)
+        rows[str(B)] = {"widths": list(widths), "draft_s": draft, "verify_s": [ver[w] for w in widths]}
+        log(f"[profile_widths] treegraft batch {B}: draft " + ", ".join(
+            f"{a} {1000 * d:.2f}" for a, d in zip(ACTIONS, draft) if d is not None) + " ms; verify "
+            + ", ".join(f"w={w} {1000 * ver[w]:.2f}" for w in widths) + " ms")
+    meta = run_meta("profile_widths", None)
+    return {"format": COST_FORMAT, "actions": list(ACTIONS), "cpu": meta["cpu"], "device": meta["device"],
+            "tree": str(spec), "context": context, "repeats": repeats, "loops": loops, "batches": rows, "meta": meta}
+
+
 def table(profile: dict) -> list[str]:
     rows = profile["rows"]
     widths = next(iter(rows.values()))["widths"]
@@ -248,8 +279,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random target and block drafter (with --adaptive: the smoke lm drafter, the one "
                          "bench_adaptive --smoke profiles): checks the tool")
+    ap.add_argument("--treegraft", default=None, metavar="STACK",
+                    help="TreeGraft's action cost table instead (train/value_system.py --costs): a stack CHEAP+STRONG "
+                         "with its options, e.g. 'ngram+models/code-target-feature;strong_tree=chain=5', verify --tree")
     ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
     args = ap.parse_args(argv)
+    if args.treegraft:
+        return _treegraft_main(ap, args, argv)
     try:
         batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
     except ValueError:
@@ -323,6 +359,31 @@ def main(argv=None) -> dict:
     print("\n".join(table(profile)))
     print(f"wrote {out}")
     return profile
+
+
+def _treegraft_main(ap, args, argv) -> dict:
+    import specjax
+    from specjax.drafters import compose
+    batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
+    if not args.out or not args.tree:
+        ap.error("--treegraft needs --tree (the verify budget) and --out")
+    target = specjax.load_model(args.target)
+    try:
+        stack = compose.parse_stack(args.treegraft)
+        if stack.composite != "treegraft":
+            raise ValueError(f"{args.treegraft!r} is not a TreeGraft stack (CHEAP+STRONG)")
+        tg = compose.build(stack, compose.load_parts(stack.parts, target, target_path=args.target, tuned=False))
+    except ValueError as e:
+        ap.error(f"--treegraft {args.treegraft}: {e}")
+    table_ = treegraft_costs(target, tg, args.tree, batches, args.context, args.repeats, args.loops,
+                             log=lambda s: print(s, file=sys.stderr, flush=True))
+    table_.update(target=repo_relative(args.target), stack=args.treegraft,
+                  command="python -m tools.profile_widths " + " ".join(argv if argv is not None else sys.argv[1:]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table_, indent=2) + "\n")
+    print(f"wrote {out}")
+    return table_
 
 
 if __name__ == "__main__":

@@ -1,34 +1,37 @@
-"""The TreeGraft value system (design §6): what invoking the strong drafter is worth, round by round.
+"""The TreeGraft value system (design §6): what each action is worth, round by round, in goodput.
 
-On training-split prompts, each round starts from one state and runs BOTH branches from it with
-`specjax.engine.stepper.RoundStepper` (the engine's round, jitted once, the policy a traced value):
-"never" (cheap tree only) and "always" (the strong drafter rescores and grafts). Each record
-holds the scheduler features of the round's cheap tree (`specjax.drafters.composite.treegraft_scheduler.FEATURE_NAMES`), each
-branch's accepted tokens and each branch's measured time. The generation then continues from
-one branch (`--continue-with`: random by default, so the states visited mix both policies).
+Under greedy decoding the continuation is known: it is the target's own greedy output. So at every
+round of a generation, each action's tree (cheap chain, strong tree, graft, recover, union) can be
+checked against that continuation without replaying branches: `TreeGraft.labelled` builds every
+action every round inside the jitted loop and records, per round and row, the scheduler features,
+each action's accepted length and each action's verify width (its last valid node). The generation
+itself follows a behaviour policy (`--behaviours`, default the switch rule and the hindsight oracle,
+so the records cover the states a good policy visits).
 
-Timing method. Each branch is one call of the jitted single-round function; its time is measured
-on the host around the call with `jax.block_until_ready` on every output (the first call of each
-branch, which compiles, is a separate untimed warm-up; with `--timing-repeats R` each branch runs
-R times from the same state and the minimum is kept). The two branches alternate which runs first.
-Shapes are static, so a branch's cost does not depend on the data: the per-round spread is
-measurement noise (a loaded CPU). The value label therefore uses each branch's MEDIAN round time
-over the whole run (same batch size):
+Cost. Each action's cost comes from a table profiled on this machine (`--costs`, written by
+`python -m tools.profile_widths --treegraft ...`): draft seconds per action (propose + commit of the
+composite with the action forced) plus the target's verification seconds at the action's width,
+per batch size. The label of action a at a round is its contribution to the generation's goodput:
 
-    value = (accepted_on + 1) / median_time_on - (accepted_off + 1) / median_time_off   [tokens/s]
+    value[a] = (accepted[a] + 1) - lam * cost[a]          (tokens)
 
-the change in the row's tokens per second from invoking in this round. The raw per-round times
-and a `value_raw` label computed from them are stored too.
+with lam the best goodput (tokens / s) a per-round choice reaches on the dataset (Dinkelbach's rule:
+lam <- sum(tokens) / sum(seconds) of the per-round argmax, iterated to its fixed point). Maximising
+the sum of these values round by round maximises tokens per second over the generation, not a
+difference of per-round rates; with lam fixed, an action that accepts one more token pays when it
+costs less than 1 / lam seconds more.
 
-The calibration offset of cheap-only paths (a per-token log-prob offset) is fit here as well: the
-mean, over the cheap tree nodes the strong drafter scored, of (strong - cheap) local log q.
+The calibration offset of cheap-only paths (graft's ranking) is the mean, over the cheap tree nodes
+the strong drafter scored, of (strong - cheap) local log q, as before.
 
-Output: `<out>/values.npz` (arrays, one row per active batch row per round) and
-`<out>/provenance.json` (models and their hashes, prompts, configuration, timing summary, date).
+Output: `<out>/values.npz` (one row per active batch row per round) and `<out>/provenance.json`
+(models and their hashes, prompts, the cost table, lam, configuration, date).
 
+    python -m tools.profile_widths --treegraft ngram+models/code-target-feature --tree depth=8,topk=4,nodes=16 \
+        --out runs/treegraft-costs/ngram+feature.json
     python -m train.value_system --target models/code-target --cheap ngram \
-        --strong models/code-target-feature --tree depth=5,topk=4,nodes=16 \
-        --sets functions,docstrings,tests,long --prompts-per-set 16 --max-new-tokens 64 \
+        --strong models/code-target-feature --tree depth=8,topk=4,nodes=16 \
+        --costs runs/treegraft-costs/ngram+feature.json --prompts-per-set 8 --max-new-tokens 64 \
         --out runs/treegraft-values/ngram+feature
 """
 from __future__ import annotations
@@ -40,7 +43,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -48,15 +50,12 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.drafters.composite import treegraft_scheduler as sched_lib
-from specjax.drafters.composite.treegraft import TreeGraft
-from specjax.engine.stepper import RoundStepper
+from specjax.drafters.composite.treegraft import ACTIONS, TreeGraft, record_columns
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ("functions", "docstrings", "tests", "long")
-CONTINUE = ("random", "never", "always", "oracle")
-TIMING_METHOD = ("host wall time around one jitted single-round call per branch (block_until_ready on all "
-                 "outputs), compile excluded (untimed warm-up), branches alternate order, min over "
-                 "timing_repeats calls; labels use each branch's median round time over the run")
+BEHAVIOURS = ("switch", "oracle") + ACTIONS
+COST_FORMAT = "specjax-treegraft-costs-v1"
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -86,96 +85,138 @@ def training_prompts(tokenizer, sets=SETS, per_set: int = 16, *, context_tokens:
 
 # ----------------------------------------------------------------------------- collection
 
-def _timed(stepper: RoundStepper, carry, policy: str, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = stepper.step(carry, policy)
-        jax.block_until_ready(result)
-        best = min(best, time.perf_counter() - t0)
-    return result, best
-
-
-def collect(target, tg: TreeGraft, tree, prompts: list[list[int]], *, batch_size: int = 1, max_new_tokens: int = 64,
-            continue_with: str = "random", timing_repeats: int = 1, seed: int = 0, max_rounds: int | None = None,
-            prompt_sets: list[str] | None = None, progress: bool = True) -> dict:
-    """Runs both branches of every round; returns per-record arrays (one record per active row per
-    round) plus per-round times. Greedy, EOS ignored (fixed-length generations)."""
-    if continue_with not in CONTINUE:
-        raise ValueError(f"continue_with must be one of {CONTINUE}, got {continue_with!r}")
-    rng = np.random.default_rng(seed)
-    stepper = RoundStepper(target, tg, tree, max_new_tokens=max_new_tokens, eos_token_id=())
-    stepper.capacity = stepper.capacity_for(prompts)  # one cache shape: one compiled round for every prompt
-    cols = {k: [] for k in ("features", "accepted_off", "accepted_on", "time_off", "time_on", "prompt", "round",
-                            "row", "batch_size", "grafted_path_on", "n_grafted_on", "set")}
-    calib = [0.0, 0.0]
-    groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
-    bar = tqdm(total=len(groups), desc="value system", disable=not progress, dynamic_ncols=True)
-    warm = set()
-    for gi, group in enumerate(groups):
-        carry = stepper.start([prompts[i] for i in group])
-        B = len(group)
-        if B not in warm:  # compile both branches (untimed)
-            for p in ("never", "always"):
-                jax.block_until_ready(stepper.step(carry, p))
-            warm.add(B)
-        r = 0
-        while not stepper.done(carry) and (max_rounds is None or r < max_rounds):
-            order = ("never", "always") if r % 2 == 0 else ("always", "never")
-            res = {}
-            for p in order:
-                res[p] = _timed(stepper, carry, p, timing_repeats)
-            (c_off, i_off), t_off = res["never"]
-            (c_on, i_on), t_on = res["always"]
-            i_off = {k: np.asarray(v) for k, v in i_off.items()}
-            i_on = {k: np.asarray(v) for k, v in i_on.items()}
-            calib[0] += float(i_on["calib_sum"][i_on["active"]].sum())
-            calib[1] += float(i_on["calib_n"][i_on["active"]].sum())
-            for b in np.nonzero(i_off["active"])[0]:
-                cols["features"].append(i_off["features"][b])
-                cols["accepted_off"].append(int(i_off["accepted"][b]))
-                cols["accepted_on"].append(int(i_on["accepted"][b]))
-                cols["time_off"].append(t_off)
-                cols["time_on"].append(t_on)
-                cols["prompt"].append(group[b])
-                cols["round"].append(r)
-                cols["row"].append(int(b))
-                cols["batch_size"].append(B)
-                cols["grafted_path_on"].append(bool(i_on["grafted_path"][b]))
-                cols["n_grafted_on"].append(int(i_on["n_grafted"][b]))
-                cols["set"].append(prompt_sets[group[b]] if prompt_sets else "")
-            if continue_with == "random":
-                on = rng.random() < 0.5
-            elif continue_with == "oracle":
-                on = (i_on["accepted"] + 1).sum() / t_on > (i_off["accepted"] + 1).sum() / t_off
-            else:
-                on = continue_with == "always"
-            carry = c_on if on else c_off
-            r += 1
-        bar.update(1)
-    bar.close()
-    out = {k: np.asarray(v) for k, v in cols.items() if k != "features"}
-    out["features"] = (np.stack(cols["features"]).astype(np.float32) if cols["features"]
-                       else np.zeros((0, sched_lib.NUM_FEATURES), np.float32))
-    out["calib_sum"], out["calib_n"] = np.float64(calib[0]), np.float64(calib[1])
-    out["calibration"] = np.float32(calib[0] / calib[1]) if calib[1] else np.float32(0.0)
-    return label(out)
-
-
-def label(d: dict) -> dict:
-    """Adds `value` (median branch times per batch size) and `value_raw` (this round's times)."""
-    d = dict(d)
-    value = np.zeros(len(d["accepted_off"]), np.float64)
-    d["median_time_off"] = np.zeros_like(value)
-    d["median_time_on"] = np.zeros_like(value)
-    for B in np.unique(d["batch_size"]):
-        m = d["batch_size"] == B
-        t_off, t_on = np.median(d["time_off"][m]), np.median(d["time_on"][m])
-        value[m] = (d["accepted_on"][m] + 1) / t_on - (d["accepted_off"][m] + 1) / t_off
-        d["median_time_off"][m], d["median_time_on"][m] = t_off, t_on
-    d["value"] = value.astype(np.float32)
-    d["value_raw"] = ((d["accepted_on"] + 1) / d["time_on"] - (d["accepted_off"] + 1) / d["time_off"]).astype(np.float32)
+def read_costs(path) -> dict:
+    """The action cost table (tools.profile_widths --treegraft): {"actions", "batches": {B: {"draft_s",
+    "widths", "verify_s"}}, ...}. Refuses another format or another action list."""
+    d = json.loads(Path(path).read_text())
+    if d.get("format") != COST_FORMAT or tuple(d.get("actions", ())) != ACTIONS:
+        raise ValueError(f"{path}: not a TreeGraft action cost table of this specjax (format {d.get('format')!r}, "
+                         f"actions {d.get('actions')}); profile it: python -m tools.profile_widths --treegraft ...")
     return d
+
+
+def costs_for(table: dict, batch: int) -> dict:
+    rows = table["batches"]
+    if str(batch) not in rows:
+        raise ValueError(f"the cost table has no batch size {batch} (it has {', '.join(rows)})")
+    return rows[str(batch)]
+
+
+def continuations(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation (the target alone; EOS ignored)."""
+    import specjax
+    return [specjax.generate(target, [p], max_new_tokens=new_tokens, eos_token_id=()).sequences()[0] for p in prompts]
+
+
+def action_cost(width_NxA, row: dict, available) -> np.ndarray:
+    """Seconds of each action at its width: draft_s[a] + verify_s at the smallest compiled width that
+    holds it (inf where the action is not available)."""
+    widths = np.asarray(row["widths"])
+    idx = np.minimum(np.searchsorted(widths, width_NxA), len(widths) - 1)
+    cost = np.asarray(row["draft_s"])[None] + np.asarray(row["verify_s"])[idx]
+    return np.where(np.asarray(available)[None], cost, np.inf)
+
+
+def goodput_rate(acc_NxA, cost_NxA, iters: int = 50) -> float:
+    """Dinkelbach's fixed point: the best tokens / s a per-round choice of action reaches on these rounds."""
+    lam = float(np.sum(acc_NxA[:, 0] + 1) / np.sum(cost_NxA[:, 0])) if np.isfinite(cost_NxA[:, 0]).all() else 1.0
+    for _ in range(iters):
+        pick = np.argmax((acc_NxA + 1) - lam * cost_NxA, axis=1)
+        rows = np.arange(len(pick))
+        new = float(np.sum(acc_NxA[rows, pick] + 1) / np.sum(cost_NxA[rows, pick]))
+        if abs(new - lam) < 1e-9 * max(lam, 1.0):
+            break
+        lam = new
+    return lam
+
+
+def collect(target, tg: TreeGraft, tree, prompts: list[list[int]], costs: dict, *, batch_size: int = 1,
+            max_new_tokens: int = 64, behaviours=("switch", "oracle"), prompt_sets: list[str] | None = None,
+            progress: bool = True) -> dict:
+    """Labelled generations of every prompt under each behaviour policy; returns per-record arrays (one
+    record per active row per round) and the labels (`label`)."""
+    from specjax.spec import tree as tree_lib
+    import specjax
+    spec = tg.resolve_tree(tree_lib.parse_tree_spec(tree))
+    D = spec.max_depth
+    widths = tg.verify_widths(spec)
+    row_costs = costs_for(costs, batch_size)
+    if tuple(row_costs["widths"]) != tuple(widths):
+        raise ValueError(f"the cost table was profiled for verify widths {row_costs['widths']}, this setup compiles "
+                         f"{list(widths)}: profile it for this tree")
+    available = tg.plan(spec).available
+    for b in behaviours:
+        if b not in BEHAVIOURS:
+            raise ValueError(f"unknown behaviour policy {b!r}; choose from {', '.join(BEHAVIOURS)}")
+    futures = continuations(target, prompts, max_new_tokens + D + 1)
+    ar_s = row_costs["verify_s"][0]
+    lam0 = 1.0 / max(ar_s, 1e-9)  # the oracle behaviour's rate: about an AR step's
+    cols = {k: [] for k in ("records", "prompt", "round", "row", "batch_size", "behaviour", "set")}
+    groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    bar = tqdm(total=len(groups) * len(behaviours), desc="value system", disable=not progress, dynamic_ncols=True)
+    calib = [0.0, 0.0]
+    for beh in behaviours:
+        for group in groups:
+            T = max(len(futures[i]) for i in group)
+            fut = np.full((len(group), T), -1, np.int32)
+            for j, i in enumerate(group):
+                fut[j, :len(futures[i])] = futures[i]
+            lab = tg.labelled(fut, rounds=max_new_tokens, draft_s=row_costs["draft_s"], verify_s=row_costs["verify_s"],
+                              widths=widths, lam=lam0)
+            lab.set_policy(beh)
+            out = specjax.generate(target, [prompts[i] for i in group], max_new_tokens=max_new_tokens,
+                                   eos_token_id=(), drafters=[lab], tree=tree)
+            for j, i in enumerate(group):
+                if out.sequences()[j] != futures[i][:max_new_tokens]:
+                    raise AssertionError(f"prompt {i}: the labelled generation left the target's greedy output")
+            rec = np.asarray(out.stats["treegraft_records"])
+            n = np.asarray(out.stats["rounds"])
+            for j, i in enumerate(group):
+                for r in range(min(int(n[j]), rec.shape[1])):
+                    cols["records"].append(rec[j, r])
+                    cols["prompt"].append(i)
+                    cols["round"].append(r)
+                    cols["row"].append(j)
+                    cols["batch_size"].append(len(group))
+                    cols["behaviour"].append(beh)
+                    cols["set"].append(prompt_sets[i] if prompt_sets else "")
+            bar.update(1)
+    bar.close()
+    names = record_columns()
+    rec = np.stack(cols.pop("records")).astype(np.float32)
+    F = sched_lib.NUM_FEATURES
+    out = {k: np.asarray(v) for k, v in cols.items()}
+    out["features"] = rec[:, :F]
+    out["accepted"] = rec[:, [names.index(f"acc_{a}") for a in ACTIONS]].astype(np.int32)
+    out["width"] = rec[:, [names.index(f"width_{a}") for a in ACTIONS]].astype(np.int32)
+    out["taken"] = rec[:, names.index("action")].astype(np.int32)
+    out["available"] = np.asarray(available, bool)
+    out["calibration"] = np.float32(0.0)
+    out["calib_sum"], out["calib_n"] = np.float64(calib[0]), np.float64(calib[1])
+    return label(out, row_costs)
+
+
+def label(d: dict, row_costs: dict) -> dict:
+    """Adds `cost` [n, A] (seconds), `lam` (tokens / s) and `value` [n, A] = accepted + 1 - lam x cost."""
+    d = dict(d)
+    cost = action_cost(d["width"], row_costs, d["available"])
+    lam = goodput_rate(d["accepted"], cost)
+    d["cost"] = cost.astype(np.float32)
+    d["lam"] = np.float32(lam)
+    d["value"] = np.where(np.isfinite(cost), d["accepted"] + 1 - lam * cost, -1e9).astype(np.float32)
+    return d
+
+
+def policy_goodput(pick_N, acc_NxA, cost_NxA) -> float:
+    """Tokens / s of choosing action pick_N[i] at record i (the cost table's seconds)."""
+    rows = np.arange(len(pick_N))
+    return float(np.sum(acc_NxA[rows, pick_N] + 1) / np.sum(cost_NxA[rows, pick_N]))
+
+
+def switch_rule(features_NxF, min_match: int) -> np.ndarray:
+    """The Switch's fixed policy on records: the cheap chain where the n-gram matched >= min_match tokens."""
+    m = features_NxF[:, sched_lib.FEATURE_NAMES.index("match_length")]
+    return np.where(m >= min_match, ACTIONS.index("cheap"), ACTIONS.index("strong"))
 
 
 # ----------------------------------------------------------------------------- files
@@ -199,12 +240,10 @@ def write_dataset(out: str | Path, data: dict, provenance: dict) -> Path:
     np.savez(out / "values.npz", **data)
     prov = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "feature_layout": sched_lib.FEATURE_LAYOUT, "feature_names": list(sched_lib.FEATURE_NAMES),
-            "timing_method": TIMING_METHOD, "host": {"platform": platform.platform(),
-                                                     "device": jax.devices()[0].device_kind,
-                                                     "load_avg": os.getloadavg()[0]},
-            "records": int(len(data["value"])), "calibration": float(data["calibration"]),
-            "median_round_s": {"never": float(np.median(data["time_off"])) if len(data["value"]) else None,
-                               "always": float(np.median(data["time_on"])) if len(data["value"]) else None},
+            "actions": list(ACTIONS), "host": {"platform": platform.platform(), "device": jax.devices()[0].device_kind,
+                                               "load_avg": os.getloadavg()[0]},
+            "records": int(len(data["value"])), "lam_tokens_per_s": float(data["lam"]),
+            "mean_accepted": {a: float(np.mean(data["accepted"][:, i])) for i, a in enumerate(ACTIONS)},
             **provenance}
     (out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
     return out
@@ -225,8 +264,9 @@ def load_dataset(paths) -> tuple[dict, list[dict]]:
         offset = int(d["prompt"].max()) + 1 if len(d["prompt"]) else offset
         arrays.append(d)
         provs.append(prov)
-    keys = [k for k in arrays[0] if np.ndim(arrays[0][k]) >= 1]
+    keys = [k for k in arrays[0] if np.ndim(arrays[0][k]) >= 1 and k != "available"]
     out = {k: np.concatenate([a[k] for a in arrays]) for k in keys}
+    out["available"] = np.all([a["available"] for a in arrays], axis=0)
     n = sum(float(a["calib_n"]) for a in arrays)
     out["calibration"] = np.float32(sum(float(a["calib_sum"]) for a in arrays) / n if n else 0.0)
     return out, provs
@@ -239,7 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
     ap.add_argument("--cheap", required=True, help="the cheap drafter: ngram, or a drafter directory")
     ap.add_argument("--strong", required=True, help="the strong drafter: a drafter directory (lm or feature)")
-    ap.add_argument("--tree", default="depth=5,topk=4,nodes=16", help="verify tree (budget N and depth D)")
+    ap.add_argument("--tree", default="depth=8,topk=4,nodes=16", help="verify tree (budget N and depth D)")
     ap.add_argument("--cheap-tree", default=None)
     ap.add_argument("--graft-nodes", type=int, default=None)
     ap.add_argument("--graft-topk", type=int, default=2)
@@ -249,9 +289,13 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=1024, help="prompt tokens of the long-file set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--continue-with", choices=CONTINUE, default="random")
-    ap.add_argument("--timing-repeats", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--behaviours", default="switch,oracle",
+                    help=f"policies the generations follow (records of every action at every round either way): "
+                         f"{', '.join(BEHAVIOURS)}")
+    ap.add_argument("--costs", required=True, help="the action cost table (python -m tools.profile_widths --treegraft)")
+    ap.add_argument("--strong-tree", default=None, help="the strong drafter's own tree (strong, union actions)")
+    ap.add_argument("--grow", type=int, default=3, help="recover's subtree depth")
+    ap.add_argument("--min-match", type=int, default=3, help="the switch behaviour's n-gram length")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
@@ -267,15 +311,17 @@ def main(argv=None) -> int:
     try:
         cheap = load_drafter(args.cheap, target, target_path=args.target, tuned=False)
         strong = load_drafter(args.strong, target, target_path=args.target, tuned=False)
-        tg = TreeGraft(cheap, strong, policy="never", cheap_tree=args.cheap_tree, graft_nodes=args.graft_nodes,
-                       graft_topk=args.graft_topk)
+        tg = TreeGraft(cheap, strong, policy="switch" if cheap.drafts_matches else "graft", cheap_tree=args.cheap_tree,
+                       graft_nodes=args.graft_nodes, graft_topk=args.graft_topk, strong_tree=args.strong_tree,
+                       grow=args.grow, min_match=args.min_match)
+        costs = read_costs(args.costs)
         prompts = training_prompts(tok, args.sets.split(","), args.prompts_per_set, context_tokens=args.context,
                                    long_tokens=args.long_tokens)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    data = collect(target, tg, args.tree, [p["ids"] for p in prompts], batch_size=args.batch_size,
-                   max_new_tokens=args.max_new_tokens, continue_with=args.continue_with,
-                   timing_repeats=args.timing_repeats, seed=args.seed, prompt_sets=[p["set"] for p in prompts])
+    behaviours = tuple(b for b in args.behaviours.split(",") if b != "switch" or cheap.drafts_matches)
+    data = collect(target, tg, args.tree, [p["ids"] for p in prompts], costs, batch_size=args.batch_size,
+                   max_new_tokens=args.max_new_tokens, behaviours=behaviours, prompt_sets=[p["set"] for p in prompts])
     from train.common import repo_relative
     prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
                        "cheap": {"spec": args.cheap if named_drafter(args.cheap) else repo_relative(args.cheap),
@@ -286,13 +332,16 @@ def main(argv=None) -> int:
                         "context_tokens": args.context, "long_tokens": args.long_tokens, "count": len(prompts),
                         "items": [{"set": p["set"], "path": p["path"], "tokens": len(p["ids"])} for p in prompts]},
             "config": {k: getattr(args, k) for k in ("tree", "cheap_tree", "graft_nodes", "graft_topk",
-                                                     "max_new_tokens", "batch_size", "continue_with",
-                                                     "timing_repeats", "seed")},
+                                                     "max_new_tokens", "batch_size", "behaviours", "strong_tree",
+                                                     "grow", "min_match")},
+            "costs": {"file": repo_relative(args.costs), **costs_for(costs, args.batch_size),
+                      "cpu": costs.get("cpu")},
             "command": "python -m train.value_system " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = write_dataset(args.out, data, prov)
     v = data["value"]
-    print(f"wrote {out}: {len(v)} records, invoking pays in {np.mean(v > 0):.1%} of rounds, "
-          f"mean value {np.mean(v):+.2f} tokens/s, calibration {float(data['calibration']):+.3f}")
+    best = np.bincount(np.argmax(data["value"], axis=1), minlength=len(ACTIONS)) / max(len(v), 1)
+    print(f"wrote {out}: {len(v)} records, lam {float(data['lam']):.1f} tokens/s; best action share: "
+          + ", ".join(f"{a} {best[i]:.0%}" for i, a in enumerate(ACTIONS)))
     return 0
 
 

@@ -3,11 +3,14 @@
 A stack is written (bench method names, `parse_stack`) as
 
     PART                         one drafter
-    CHEAP+STRONG                 TreeGraft: STRONG rescores and grafts CHEAP's tree
-    MATCHES|MODEL                Switch: MATCHES' chain where its match is long, MODEL's tree elsewhere
+    CHEAP+STRONG                 TreeGraft: per round and row an action (CHEAP's chain, STRONG's tree, a graft,
+                                 a recovered subtree, their union), chosen by `policy` (an action, switch,
+                                 always, never, or a scheduler directory)
+    MATCHES|MODEL                Switch: TreeGraft's switch policy: MATCHES' chain where its match is long,
+                                 MODEL's tree elsewhere
 
-followed by options `;key=value` (no spaces), e.g. `ngram|feature;min_match=3;model_tree=chain=3` or
-`ngram+lm;policy=runs/sched`. The CLI's `--drafter A --drafter B --switch 3` / `--treegraft DIR`
+followed by options `;key=value` (no spaces), e.g. `ngram|feature;min_match=3;model_tree=chain=3`,
+`ngram+lm;policy=runs/sched` or `ngram+feature;policy=recover;strong_tree=chain=5;grow=3`. The CLI's `--drafter A --drafter B --switch 3` / `--treegraft DIR`
 build the same `Stack`. Options of a composite are its constructor's (COMPOSITES); any other option
 goes to the single drafter's `with_options` hook (a block drafter's confidence cut, DPara's boundaries,
 ReaDy's zeroed state), so nothing here checks a drafter's name: a drafter that takes no such option
@@ -45,7 +48,8 @@ def _switch(drafters, parts, **options):
 
 
 COMPOSITES = {
-    "treegraft": Kind("+", {"policy": str, "cheap_tree": str, "graft_nodes": int}, {"policy": "always"}, _treegraft),
+    "treegraft": Kind("+", {"policy": str, "cheap_tree": str, "graft_nodes": int, "strong_tree": str, "grow": int,
+                            "min_match": int}, {"policy": "always"}, _treegraft),
     "switch": Kind("|", {"min_match": int, "model_tree": str}, {"min_match": 3, "model_tree": "chain=3"}, _switch),
 }
 # options of a single drafter (`Drafter.with_options`), as parsed from text
