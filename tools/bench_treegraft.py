@@ -1,411 +1,251 @@
-"""TreeGraft on the model zoo: does grafting a strong drafter onto a cheap drafter's tree, when the
-scheduler says so, beat either drafter alone?
+"""TreeGraft on the model zoo: builds each drafter pair's scheduler over actions, then benches it beside
+every single drafter, the Switch, TreeGraft before actions and the hindsight oracle.
 
-For each drafter pair (cheap+strong: ngram+feature, feature+lm, ngram+lm, ngram+dspark, dspark+lm;
-lm = models/code-draft, feature = models/code-target-feature, dspark = models/code-target-dspark) and each prompt set cut from the corpus's TEST split
-(functions: function bodies; docstrings: docstrings / comments; tests: repetitive test code;
-long: the start of the longest files), greedy, batch 1, EOS ignored:
+Per pair (cheap+strong: ngram+feature, ngram+lm, ngram+dspark, lm+feature; lm = models/code-draft,
+feature = models/code-target-feature, dspark = models/code-target-dspark, each at its shipped settings,
+`tuned.json`), `--build`:
+  1. the action cost table on this machine (`tools.profile_widths.treegraft_costs`: draft seconds per
+     action, verification seconds per compiled width; batch 1 and 4) -> runs/treegraft-costs/<pair>.json;
+  2. the value dataset on TRAIN-split prompts (`train.value_system.collect`: labelled generations under
+     the switch rule and the oracle, every action's accepted length at every round, goodput labels)
+     -> runs/treegraft-values/<pair>;
+  3. the distillation (`train.distill_scheduler`, held-out prompts) -> models/treegraft/<pair> (the
+     scheduler of the first layout it replaces is kept under runs/treegraft-v1/<pair>, for the rows of
+     TreeGraft before actions).
+Then, per prompt set (TEST split), one `tools.bench` process per pair and set (`--bench`; the commands are
+printed and recorded): AR; each drafter at its shipped shape and at the 16-node tree; the Switch;
+TreeGraft before actions (always, and its scheduler of the first layout) at its 16-node tree; the new
+TreeGraft with its distilled scheduler, the switch policy, recover and union forced, and the hindsight
+oracle, all at the verify budget --tree. `--summary FILES` prints the comparison across pair-sets.
 
-  cheap-only, strong-only   the engine with one drafter and the verify tree (--tree);
-  never / always            TreeGraft with the policy forced (one compiled program for all policies);
-  scheduler                 TreeGraft with the distilled scheduler of the pair (--schedulers DIR/<pair>,
-                            written by train/distill_scheduler.py; `--train-schedulers` builds them first
-                            on TRAIN-split prompts with train/value_system.py);
-  oracle                    per round, the better branch in hindsight (both branches run from the same
-                            state by `RoundStepper`); its time is the sum of the engine's measured
-                            per-round cost of the chosen branch (never / always runs on the same prompts),
-                            so it is an estimate, in the same units as the rows above.
-
-Per method: tokens/s (total generated tokens / total time of the timed calls; compilation excluded
-by an untimed warm-up per prompt shape), tau (1 + accepted per round); for TreeGraft, the invoke
-rate (rounds where the strong drafter ran) and the share of accepted paths (rounds accepting >= 1
-token) that pass through a grafted node; the scheduler's held-out accuracy (from its
-distill_info.json); and the costs of one scheduler decision, one cheap-drafter proposal and one
-strong scoring pass (jitted alone, median). Every TreeGraft row is checked token for token against
-the cheap-only output (all are the target's greedy output).
-
-    python -m tools.bench_treegraft --smoke                       # tiny random models (what the test runs)
-    python -m tools.bench_treegraft --train-schedulers            # the zoo; builds missing schedulers first
-
-Writes <out>.md, <out>.json and <out>.png (default bench/bench_treegraft; `tools.harness.write_outputs`:
-one row per pair, prompt set and method, and the nested "pairs" results).
+    python -m tools.bench_treegraft --build --pairs ngram+feature
+    python -m tools.bench_treegraft --bench --pairs ngram+feature --sets functions,humaneval --out-dir bench/treegraft
+    python -m tools.bench_treegraft --summary bench/treegraft/*.json
+    python -m tools.bench_treegraft --smoke        # the pipeline on tiny random models (what the test runs)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
-from flax import nnx
-
-import specjax
-from specjax.drafters.composite import treegraft_scheduler as sched_lib
-from specjax.drafters import DraftContext, LMDrafter, NgramDrafter, drafter_takes, named_drafter
-from specjax.spec.sampling import SamplingParams
-from specjax.drafters.composite.treegraft import TreeGraft, check_scheduler_drafters
-from specjax.engine.stepper import RoundStepper
-from tools.harness import (REPO, Column, generation_row, output_path, run_meta, smoke_models, time_generation,
-                           write_outputs)
+from tools.harness import REPO, run_meta
 from train.common import repo_relative
 
-# A block drafter (DSpark) rescores exactly in one pass (`can_score`), so it can be the strong drafter;
-# as the cheap one it drafts TreeGraft's dynamic candidate tree from its one backbone pass.
-PAIRS = ("ngram+feature", "feature+lm", "ngram+lm", "ngram+dspark", "dspark+lm")
-SETS = ("functions", "docstrings", "tests", "long")
-METHODS = ("cheap-only", "strong-only", "never", "always", "scheduler", "oracle")
+PAIRS = ("ngram+feature", "ngram+lm", "ngram+dspark", "lm+feature")
+SETS = ("functions", "humaneval", "docstrings", "tests")
+PATHS = {"ngram": "ngram", "lm": "models/code-draft", "feature": "models/code-target-feature",
+         "dspark": "models/code-target-dspark"}
+BENCH_NAMES = {"ngram": "ngram", "lm": "lm", "feature": "feature@2048", "dspark": "dspark"}  # tools.bench's
+BEST = {"ngram": "chain=8", "lm": "chain=6", "feature": "chain=5", "dspark": "chain=8"}  # tuned.json / headline
+LEGACY_TREE = "depth=5,topk=4,nodes=16"  # TreeGraft before actions, and the 16-node tree of single drafters
 
 
-# ----------------------------------------------------------------------------- setups
-
-def smoke_setup(seed: int = 0):
-    """Tiny random target; lm = a noisy copy of it, feature = a random feature head, ngram.
-    Evaluation and training prompts: random and repetitive token sequences."""
-    from specjax.drafters import FeatureConfig, FeatureDrafter, FeatureHead
-    cfg, target, draft = smoke_models(seed)
-    feature = FeatureDrafter(FeatureHead(FeatureConfig.for_target(cfg), nnx.Rngs(seed + 2)), target)
-    drafters = {"lm": LMDrafter(draft), "feature": feature, "ngram": NgramDrafter()}
-    rng = np.random.default_rng(seed)
-
-    def make(n, repetitive):
-        out = []
-        for _ in range(n):
-            if repetitive:
-                out.append((rng.integers(0, 64, 5).tolist() * 8)[: int(rng.integers(12, 30))])
-            else:
-                out.append(rng.integers(0, 64, int(rng.integers(12, 30))).tolist())
-        return out
-    eval_sets = {"random": make(2, False), "repetitive": make(2, True)}
-    train = make(3, False) + make(3, True)
-    return target, drafters, eval_sets, train
-
-
-def zoo_setup(args):
-    from specjax.io.checkpoint import load_tokenizer
-    from specjax.drafters import load_drafter
-    from train import prompts as prompt_sets
-    target = specjax.load_model(args.target)
-    tok = load_tokenizer(args.target)
-    drafters = {"ngram": NgramDrafter()}
-    for name, path in (("lm", args.draft), ("feature", args.feature), ("dspark", args.dspark)):
-        if os.path.isdir(path):
-            drafters[name] = load_drafter(path, target, target_path=args.target,
-                                          draft_vocab=args.draft_vocab if "draft_vocab" in drafter_takes(path) else None, tuned=False)
-    eval_sets = {}
-    for s in args.sets.split(","):
-        if s == "long":
-            got = prompt_sets.long_context_prompts(tok, lengths=(args.long_tokens,), per_length=args.prompts_per_set)
-            eval_sets[s] = [p["ids"] for p in got[args.long_tokens]]
-        else:
-            eval_sets[s] = [p["ids"] for p in prompt_sets.prompt_set(s, tok, args.prompts_per_set, split="test",
-                                                                    context_tokens=args.context)]
-    return target, drafters, eval_sets, tok
-
-
-# ----------------------------------------------------------------------------- measurements
-
-def engine_run(target, drafter, prompts, tree, new_tokens, repeats) -> dict:
-    """The engine with one drafter, batch 1 (`tools.harness.time_generation`: an untimed warm-up per
-    prompt shape, then `repeats` timed passes); TreeGraft's invoke rate and grafted share."""
-    kw = dict(max_new_tokens=new_tokens, eos_token_id=(), drafters=[drafter], tree=tree)
-    results, times = time_generation(target, [[p] for p in prompts], repeats, **kw)
-    st = lambda k: np.concatenate([r.stats[k] for r in results]) if k in results[0].stats else None  # noqa: E731
-    rounds = st("rounds")
-    base = generation_row(results, times, speculative=True)
-    row = {"tokens": base["tokens"], "seconds": base["seconds"], "tokens_per_s": base["tokens_per_s"],
-           "rounds": int(rounds.sum()), "tau": base["tau"], "round_s": base["seconds"] / max(int(rounds.sum()), 1),
-           "sequences": base["sequences"]}
-    if st("treegraft_invoked") is not None:
-        accepted_paths = int(st("accepted_at_depth")[:, 0].sum())
-        row.update(invoke_rate=float(st("treegraft_invoked").sum() / max(rounds.sum(), 1)),
-                   grafted_share=float(st("treegraft_grafted_paths").sum() / max(accepted_paths, 1)),
-                   grafted_proposed_per_round=float(st("treegraft_grafted_proposed").sum() / max(rounds.sum(), 1)))
-    return row
-
-
-def oracle_run(target, tg, tree, prompts, new_tokens, cost_never, cost_always) -> dict:
-    """Per round, the better branch in hindsight by tokens per second of the round, each branch
-    costed at the engine's measured per-round time."""
-    stepper = RoundStepper(target, tg, tree, max_new_tokens=new_tokens, eos_token_id=())
-    stepper.capacity = stepper.capacity_for(prompts)
-    tokens, seconds, rounds, acc, invoked, seqs = 0, 0.0, 0, 0, 0, []
-    for p in prompts:
-        carry = stepper.start([p])
-        while not stepper.done(carry):
-            c_off, i_off = stepper.step(carry, "never")
-            c_on, i_on = stepper.step(carry, "always")
-            a_off, a_on = int(np.asarray(i_off["accepted"])[0]), int(np.asarray(i_on["accepted"])[0])
-            on = (a_on + 1) / cost_always > (a_off + 1) / cost_never
-            carry, info = (c_on, i_on) if on else (c_off, i_off)
-            tokens += int(np.asarray(info["emitted"])[0])
-            seconds += cost_always if on else cost_never
-            rounds, acc, invoked = rounds + 1, acc + (a_on if on else a_off), invoked + int(on)
-        seqs += stepper.outputs(carry)
-    tokens += len(prompts)  # the first token of each row comes from prefill
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "rounds": rounds,
-            "tau": 1 + acc / max(rounds, 1), "invoke_rate": invoked / max(rounds, 1), "sequences": seqs,
-            "estimate": True}
-
-
-def costs(target, tg: TreeGraft, tree, prompt) -> dict:
-    """Median ms of one scheduler decision, one cheap proposal and one strong scoring pass."""
-    stepper = RoundStepper(target, tg, tree, max_new_tokens=8, eos_token_id=())
-    carry = stepper.start([prompt])
-    spec = stepper.spec
-    cspec, M, _, _ = tg.plan(spec)
-    ctx = DraftContext(cspec, "topk", SamplingParams.make(1.0), jax.random.key(0))
-    gc, sc = nnx.split(tg.cheap)
-    gs, ss = nnx.split(tg.strong)
-    cheap_fn = jax.jit(lambda s, st, root: nnx.merge(gc, s).propose(st, root, ctx).tree)
-    tree_c = cheap_fn(sc, carry.dstate.cheap, carry.root)
-    strong_fn = jax.jit(lambda s, st, t: nnx.merge(gs, s).score(st, t, cspec.max_depth))
-    return {"scheduler_ms": 1e3 * sched_lib.measure_cost(tg.scheduler, 1, M, spec.num_nodes),
-            "cheap_propose_ms": 1e3 * sched_lib.time_call(cheap_fn, sc, carry.dstate.cheap, carry.root),
-            "strong_score_ms": 1e3 * sched_lib.time_call(strong_fn, ss, carry.dstate.strong, tree_c),
-            "cheap_tree_nodes": M}
-
-
-def build_scheduler(target, tg, tree, train_prompts, sched_dir: Path, values_dir: Path, run_dir: Path, *,
-                    new_tokens, steps, provenance: dict, progress=False) -> Path:
-    """Value system on training prompts, then distillation, exported to sched_dir."""
+def build(pair: str, target_dir: str, tree: str, *, per_set: int, new_tokens: int, steps: int, batches=(1, 4),
+          root: Path = REPO, log=print, smoke=None) -> Path:
+    """Cost table, value dataset, distillation; returns the exported scheduler directory."""
+    import specjax
+    from specjax.drafters import compose
+    from specjax.drafters.composite import treegraft_scheduler as sched_lib
+    from tools.profile_widths import treegraft_costs
     from train import distill_scheduler, value_system
-    data = value_system.collect(target, tg, tree, train_prompts, max_new_tokens=new_tokens, progress=progress)
-    vdir = value_system.write_dataset(values_dir, data, {**provenance, "config": {"tree": tree,
-                                                                                 "max_new_tokens": new_tokens}})
-    distill_scheduler.distill([vdir], run_dir, sched_dir,
-                              distill_scheduler.DistillConfig(steps=steps, eval_every=max(steps // 4, 1)),
-                              progress=progress, overwrite=True)
-    return sched_dir
+    cheap_name, _, strong_name = pair.partition("+")
+    if smoke is not None:
+        target, drafters, prompts = smoke
+        parts = [drafters[cheap_name], drafters[strong_name]]
+        train_prompts = [(p, "smoke") for p in prompts]
+        models = {"setup": "smoke: tiny random models"}
+    else:
+        target = specjax.load_model(target_dir)
+        specs = [PATHS[cheap_name], PATHS[strong_name]]
+        parts = compose.load_parts([str(root / s) if s != "ngram" else s for s in specs], target, target_path=target_dir)
+        tok = specjax.load_tokenizer(target_dir)
+        train_prompts = [(p["ids"], p["set"]) for p in value_system.training_prompts(tok, value_system.SETS, per_set)]
+        models = {"target": {"path": repo_relative(target_dir), "sha256": value_system.sha256_of(target_dir)},
+                  **{role: {"spec": s, "kind": d.name, "sha256": value_system.sha256_of(root / s) if s != "ngram" else None}
+                     for role, s, d in zip(("cheap", "strong"), specs, parts)}}
+    policy = "switch" if parts[0].drafts_matches else "graft"
+    tg = compose.build(compose.Stack.make([cheap_name, strong_name], "treegraft", policy=policy), parts)
+    costs_file = root / "runs/treegraft-costs" / f"{pair}.json"
+    if smoke is None and costs_file.is_file():
+        costs = value_system.read_costs(costs_file)
+        log(f"[bench_treegraft] {pair}: cost table {repo_relative(costs_file)} (kept)")
+    else:
+        costs = treegraft_costs(target, tg, tree, list(batches), context=64 if smoke else 256,
+                                repeats=2 if smoke else 5, loops=4 if smoke else 16, log=log)
+        costs_file.parent.mkdir(parents=True, exist_ok=True)
+        costs_file.write_text(json.dumps(costs, indent=2) + "\n")
+    behaviours = ("switch", "oracle") if parts[0].drafts_matches else ("graft", "oracle")
+    data = value_system.collect(target, tg, tree, [p for p, _ in train_prompts], costs, max_new_tokens=new_tokens,
+                                behaviours=behaviours, prompt_sets=[s for _, s in train_prompts], progress=smoke is None)
+    vdir = value_system.write_dataset(root / "runs/treegraft-values" / pair, data, {
+        "models": models, "prompts": {"split": "train", "sets": sorted({s for _, s in train_prompts}),
+                                      "per_set": per_set, "count": len(train_prompts)},
+        "config": {"tree": tree, "max_new_tokens": new_tokens, "behaviours": list(behaviours)},
+        "costs": {"file": repo_relative(costs_file), **value_system.costs_for(costs, 1), "cpu": costs.get("cpu")}})
+    export = root / "models/treegraft" / pair
+    old = export / sched_lib.CONFIG_FILE
+    if old.is_file() and json.loads(old.read_text()).get("feature_layout") == sched_lib.FEATURE_LAYOUT_V1:
+        keep = root / "runs/treegraft-v1" / pair  # the first layout's scheduler: the rows of TreeGraft before actions
+        if not keep.exists():
+            shutil.copytree(export, keep)
+    summary = distill_scheduler.distill([vdir], root / "runs/treegraft-sched" / pair, export,
+                                        distill_scheduler.DistillConfig(steps=steps, eval_every=max(steps // 4, 1)),
+                                        progress=smoke is None, overwrite=True)
+    m = summary["heldout"]
+    log(f"[bench_treegraft] {pair}: held-out goodput {m['goodput']:.1f} tokens/s = {m['vs_best_fixed']:.3f}x the best "
+        f"fixed action, {m['vs_oracle']:.3f}x the oracle" + (f", {m['vs_switch']:.3f}x the Switch rule"
+                                                              if "vs_switch" in m else ""))
+    return export
 
 
-def heldout_accuracy(sched_dir: Path):
-    info = sched_dir / "distill_info.json"
-    if not info.is_file():
-        return None
-    d = json.loads(info.read_text())
-    return d["heldout"][d["chosen"]]["accuracy"]
+def methods(pair: str, tree: str, sched_dir: str | None, legacy_dir: str | None, min_match: int = 3) -> list[str]:
+    """tools.bench method names of one pair's rows (drafters by tools.bench's names)."""
+    c, _, s = pair.partition("+")
+    cn, sn = BENCH_NAMES[c], BENCH_NAMES[s]
+    st = f"strong_tree={BEST[s]}"
+    rows = [f"{cn} {BEST[c]}", f"{cn} {LEGACY_TREE}", f"{sn} {BEST[s]}", f"{sn} {LEGACY_TREE}"]
+    if c == "ngram":
+        rows += [f"{cn}|{sn};min_match={min_match};model_tree={BEST[s]} {BEST[c]}",
+                 f"{cn}+{sn};policy=switch;min_match={min_match};{st} {tree}"]
+    rows += [f"{cn}+{sn} {LEGACY_TREE}"]  # TreeGraft before actions: graft every round
+    if legacy_dir:
+        rows.append(f"{cn}+{sn};policy={legacy_dir} {LEGACY_TREE}")
+    rows += [f"{cn}+{sn};policy=recover;{st} {tree}", f"{cn}+{sn};policy=union;{st} {tree}"]
+    if sched_dir:
+        rows.append(f"{cn}+{sn};policy={sched_dir};{st} {tree}")
+    rows.append(f"{cn}+{sn};policy=oracle;{st} {tree}")
+    return rows
 
 
-# ----------------------------------------------------------------------------- output
+def bench_command(pair, kind, tree, sched_dir, legacy_dir, *, prompts, new_tokens, repeats, batch, out) -> list[str]:
+    c, _, s = pair.partition("+")
+    cmd = [sys.executable, "-m", "tools.bench", "--kind", kind, "--prompts", str(prompts), "--new-tokens",
+           str(new_tokens), "--repeats", str(repeats), "--batch", str(batch), "--no-draft-ms", "--out", str(out),
+           "--compile-cache", "runs/jax-cache", "--methods", ",".join(methods(pair, tree, sched_dir, legacy_dir))]
+    for name in {c, s} - {"ngram"}:
+        cmd += [{"lm": "--draft", "feature": "--feature", "dspark": "--dspark"}[name], PATHS[name]]
+    if "feature" in (c, s):
+        cmd += ["--draft-vocab", "2048"]
+    return cmd
 
-def summary_lines(results: dict) -> list[str]:
-    """TreeGraft (distilled scheduler) against the best single-drafter strategy (cheap-only or
-    strong-only, whichever was faster on that set), and against the fixed policies, per pair and set."""
-    lines = ["## Summary: TreeGraft (scheduler) over the best single drafter", "",
-             "| pair | set | best single (tokens/s) | scheduler tokens/s | speedup over best single | "
-             "vs never | vs always |", "|---|---|---|---:|---:|---:|---:|"]
-    ratios = {"single": [], "never": [], "always": []}
-    for pair, res in results.items():
-        for s, row in res["sets"].items():
-            if "scheduler" not in row:
-                continue
-            best = max(("cheap-only", "strong-only"), key=lambda m: row[m]["tokens_per_s"])
-            tg = row["scheduler"]["tokens_per_s"]
-            r = {"single": tg / row[best]["tokens_per_s"], "never": tg / row["never"]["tokens_per_s"],
-                 "always": tg / row["always"]["tokens_per_s"]}
-            for k in ratios:
-                ratios[k].append(r[k])
-            lines.append(f"| {pair} | {s} | {best} ({row[best]['tokens_per_s']:.1f}) | {tg:.1f} | "
-                         f"{r['single']:.3f}x | {r['never']:.3f}x | {r['always']:.3f}x |")
-    if ratios["single"]:
-        gm = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
-        wins = {k: sum(x > 1 for x in v) for k, v in ratios.items()}
-        n = len(ratios["single"])
-        lines += [f"| **average** (geometric mean of {n}) | | | | **{gm['single']:.3f}x** | {gm['never']:.3f}x | "
-                  f"{gm['always']:.3f}x |", "",
-                  f"The scheduler is faster than the best single drafter on {wins['single']}/{n} pair-sets, than "
-                  f"never-graft on {wins['never']}/{n}, than always-graft on {wins['always']}/{n}.", ""]
+
+# ----------------------------------------------------------------------------- summary
+
+def summary(files) -> list[str]:
+    """Per results file (one pair and set): the scheduler's speed over the best single drafter and over
+    the Switch; the geometric mean over pair-sets; the share of accepted tokens from recovered subtrees."""
+    lines = ["| pair | set | batch | best single | Switch | TreeGraft before (always / sched) | new: scheduler | "
+             "switch policy | recover | union | oracle (measured / modelled) | scheduler / best single | "
+             "scheduler / Switch | recovered share (recover / sched) | greedy mismatches |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|"]
+    ratios = []
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        rows = {r["method"]: r for r in d["rows"] if "tokens_per_s" in r}
+        meta = d["meta"]
+        pair = meta.get("pair") or Path(f).stem
+        sp = lambda r: r.get("speedup") if r else None  # noqa: E731
+        single = [r for m, r in rows.items() if m != "ar" and "+" not in m.split(" ")[0] and "|" not in m]
+        best = max(single, key=lambda r: r["tokens_per_s"]) if single else None
+        find = lambda pred: next((r for m, r in rows.items() if pred(m)), None)  # noqa: E731
+        switch = find(lambda m: "|" in m.split(" ")[0])
+        legacy_always = find(lambda m: "+" in m and ";" not in m.split(" ")[0])
+        legacy_sched = find(lambda m: "policy=runs/treegraft-v1" in m)
+        sched = find(lambda m: "policy=models/treegraft" in m)
+        pol = lambda name: find(lambda m: f"policy={name};" in m or m.split(" ")[0].endswith(f"policy={name}"))  # noqa: E731
+        oracle = pol("oracle")
+        share = lambda r: (r or {}).get("drafter", {}).get("treegraft", {}).get("recovered_share")  # noqa: E731
+        bad = sum(r.get("check", {}).get("mismatch", 0) for r in rows.values())
+        fmt = lambda x: f"{x:.2f}x" if isinstance(x, (int, float)) else "–"  # noqa: E731
+        vs_best = sched["tokens_per_s"] / best["tokens_per_s"] if sched and best else None
+        vs_switch = sched["tokens_per_s"] / switch["tokens_per_s"] if sched and switch else None
+        if vs_best:
+            ratios.append(vs_best)
+        mod = (oracle or {}).get("oracle", {}).get("modelled_tokens_per_s")
+        ar = rows.get("ar", {}).get("tokens_per_s")
+        lines.append(
+            f"| {pair} | {meta.get('kind')} | {meta.get('batch')} | "
+            f"{best['method'] if best else '–'} {fmt(sp(best))} | {fmt(sp(switch))} | "
+            f"{fmt(sp(legacy_always))} / {fmt(sp(legacy_sched))} | {fmt(sp(sched))} | {fmt(sp(pol('switch')))} | "
+            f"{fmt(sp(pol('recover')))} | {fmt(sp(pol('union')))} | {fmt(sp(oracle))} / "
+            f"{fmt(mod / ar if mod and ar else None)} | {fmt(vs_best)} | {fmt(vs_switch)} | "
+            f"{share(pol('recover'))} / {share(sched)} | {bad} |")
+    if ratios:
+        g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        lines += ["", f"Geometric mean over {len(ratios)} pair-sets of the distilled scheduler over the best single "
+                      f"drafter: {g:.3f}x."]
     return lines
 
-
-COLUMNS = [Column("pair (cheap+strong)", "pair", right=False), Column("set", "set", right=False),
-           Column("method", "method", right=False), Column("tokens/s", "tokens_per_s", "{:.1f}"),
-           Column("tau", "tau", "{:.2f}"), Column("invoke rate", "invoke_rate", "{:.2f}"),
-           Column("grafted share", "grafted_share", "{:.2f}"),
-           Column("same as cheap-only", "same_as_cheap", right=False)]
-
-
-def flat_rows(results: dict) -> list[dict]:
-    """One row per pair, prompt set and method (the table and the JSON's "rows")."""
-    out = []
-    for pair, res in results.items():
-        for s, row in res["sets"].items():
-            for m in METHODS:
-                if m in row:
-                    out.append({"pair": pair, "set": s, "method": m, **row[m]})
-    return out
-
-
-def plot_treegraft(results):
-    def plot(plt, rows, meta):
-        fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-        for ax, (pair, res) in zip(axes[0], results.items()):
-            sets = list(res["sets"])
-            width = 0.8 / len(METHODS)
-            for i, m in enumerate(METHODS):
-                vals = [res["sets"][s].get(m, {}).get("tokens_per_s", 0.0) for s in sets]
-                ax.bar(np.arange(len(sets)) + i * width, vals, width, label=m)
-            ax.set_xticks(np.arange(len(sets)) + 0.4 - width / 2, sets)
-            ax.set_title(pair)
-            ax.set_ylabel("tokens/s")
-        axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"TreeGraft — {meta['setup']}")
-        fig.tight_layout()
-        return fig
-    return plot
-
-
-def write_treegraft_outputs(results: dict, meta: dict, out: Path) -> Path:
-    """<out>.md, .json ({"meta", "rows", "pairs"}) and .png through the harness."""
-    load = meta.get("load_avg")
-    intro = [f"Greedy, batch 1, {meta['new_tokens']} new tokens per prompt, verify tree `{meta['tree']}`, "
-             f"{meta['repeats']} timed repeat(s) after an untimed warm-up; float32 on {meta['device']}"
-             + (f"; load average {load:.2f}" if load is not None else "") + ". Oracle: per-round hindsight choice, "
-             "costed with the engine's measured per-round time of each branch (an estimate). TreeGraft columns: "
-             "invoke rate (rounds where the strong drafter ran), share of accepted paths through a grafted node, "
-             "greedy output identical to cheap-only (prompts)."]
-    notes = []
-    for pair, res in results.items():
-        c = res["costs"]
-        acc = res.get("scheduler_heldout_accuracy")
-        notes += [f"{pair} (cheap {pair.split('+')[0]}, strong {pair.split('+')[1]}): costs (median, jitted alone): "
-                  f"scheduler decision {c['scheduler_ms']:.3f} ms, cheap proposal ({c['cheap_tree_nodes']}-node tree) "
-                  f"{c['cheap_propose_ms']:.3f} ms, strong scoring pass {c['strong_score_ms']:.3f} ms; scheduler / "
-                  f"cheap proposal = {c['scheduler_ms'] / max(c['cheap_propose_ms'], 1e-9):.2f}. Scheduler held-out "
-                  f"accuracy: {'—' if acc is None else f'{acc:.3f}'} ({res.get('scheduler_dir') or 'no scheduler'}).", ""]
-    notes += summary_lines(results)
-    strip = lambda r: {k: v for k, v in r.items() if k != "sequences"}  # noqa: E731
-    pairs = {p: {**{k: v for k, v in res.items() if k != "sets"},
-                 "sets": {s: {m: strip(r) for m, r in d.items()} for s, d in res["sets"].items()}}
-             for p, res in results.items()}
-    return write_outputs(out, meta, flat_rows(results), COLUMNS, plot_treegraft(results),
-                         title=f"TreeGraft benchmark ({meta['setup']})", intro=intro, notes=notes,
-                         extra={"pairs": pairs})
-
-
-# ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_treegraft",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/code-target"))
-    ap.add_argument("--draft", default=str(REPO / "models/code-draft"), help="the lm drafter")
-    ap.add_argument("--feature", default=str(REPO / "models/code-target-feature"), help="the feature drafter")
-    ap.add_argument("--dspark", default=str(REPO / "models/code-target-dspark"), help="the block drafter (DSpark)")
-    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                    help="the feature drafter's reduced draft vocabulary (the N most frequent tokens it ships)")
-    ap.add_argument("--pairs", default=",".join(PAIRS), help="cheap+strong pairs (default: %(default)s)")
-    ap.add_argument("--sets", default=",".join(SETS))
-    ap.add_argument("--prompts-per-set", type=int, default=8)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--long-tokens", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--tree", default="depth=5,topk=4,nodes=16", help="verify tree (budget and depth)")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--schedulers", default=str(REPO / "models/treegraft"), help="DIR/<pair>: distilled schedulers")
-    ap.add_argument("--train-schedulers", action="store_true",
-                    help="build missing schedulers first (value system on train-split prompts + distillation)")
+    ap.add_argument("--pairs", default=",".join(PAIRS))
+    ap.add_argument("--tree", default="depth=8,topk=4,nodes=16", help="the verify budget of the new TreeGraft")
+    ap.add_argument("--build", action="store_true", help="cost table, value dataset and distilled scheduler per pair")
     ap.add_argument("--value-prompts-per-set", type=int, default=8)
+    ap.add_argument("--value-new-tokens", type=int, default=64)
     ap.add_argument("--distill-steps", type=int, default=2000)
-    ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
-    ap.add_argument("--out", default=None, help="output stem (default bench/bench_treegraft[_smoke])")
-    ap.add_argument("--render", default=None, metavar="JSON",
-                    help="rewrite <stem>.md/.png from a stored <stem>.json (no measurement)")
+    ap.add_argument("--bench", action="store_true", help="one tools.bench run per pair and prompt set")
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out-dir", default=None, help="results folder (default bench/treegraft; --smoke: a temporary one)")
+    ap.add_argument("--summary", nargs="*", default=None, metavar="JSON", help="print the summary of tools.bench files")
+    ap.add_argument("--smoke", action="store_true", help="the pipeline on tiny random models: checks the tool")
     args = ap.parse_args(argv)
-    if args.render:  # rewrite the table and plot from a stored run, measuring nothing
-        stored = json.loads(Path(args.render).read_text())
-        print(write_treegraft_outputs(stored["pairs"], stored["meta"], output_path(args.render, "")).read_text())
+    if args.summary is not None:
+        print("\n".join(summary(args.summary)))
         return 0
-    out = Path(args.out or REPO / ("bench/bench_treegraft_smoke" if args.smoke else "bench/bench_treegraft"))
-
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     if args.smoke:
-        target, drafters, eval_sets, train_prompts = smoke_setup()
-        args.new_tokens, args.repeats, args.tree = min(args.new_tokens, 12), 1, "depth=3,topk=3,nodes=8"
-        sched_root = out.parent / (out.name + "_schedulers")
-        args.train_schedulers, args.distill_steps = True, min(args.distill_steps, 60)
-    else:
-        if not os.path.isdir(args.target):
-            ap.error(f"{args.target}: no target model (train the zoo: make models)")
-        target, drafters, eval_sets, tok = zoo_setup(args)
-        sched_root = Path(args.schedulers)
-        train_prompts = None
-    results = {}
-    for pair in args.pairs.split(","):
-        cheap_name, _, strong_name = pair.partition("+")
-        if cheap_name not in drafters or strong_name not in drafters:
-            print(f"[bench_treegraft] skipping {pair}: drafter missing", file=sys.stderr)
-            continue
-        cheap, strong = drafters[cheap_name], drafters[strong_name]
-        sched_dir = sched_root / pair
-        paths = {"lm": args.draft, "feature": args.feature, "dspark": args.dspark, "ngram": "ngram"}
-        stale = None  # a scheduler distilled for other weights of these drafters (a drafter retrained since)
-        if not args.smoke and (sched_dir / sched_lib.CONFIG_FILE).is_file():
-            try:
-                check_scheduler_drafters(sched_lib.load_scheduler(str(sched_dir))[2],
-                                         [paths[cheap_name], paths[strong_name]], str(sched_dir))
-            except ValueError as e:
-                stale = str(e)
-        if stale and not args.train_schedulers:
-            ap.error(f"{stale}\n(add --train-schedulers to re-distil it here)")
-        if (stale or not (sched_dir / sched_lib.CONFIG_FILE).is_file()) and args.train_schedulers:
-            print(f"[bench_treegraft] {pair}: building the scheduler ...", file=sys.stderr, flush=True)
-            if train_prompts is None:
-                from train.value_system import training_prompts
-                train_prompts = [p["ids"] for p in training_prompts(tok, SETS, args.value_prompts_per_set,
-                                                                     context_tokens=args.context,
-                                                                     long_tokens=args.long_tokens)]
-            if args.smoke:
-                values_dir, run_dir = sched_root / f"{pair}-values", sched_root / f"{pair}-run"
-                prov = {"models": {"setup": "smoke: tiny random models"}}
-            else:
-                from train.value_system import sha256_of
-                values_dir, run_dir = REPO / "runs/treegraft-values" / pair, REPO / "runs/treegraft-sched" / pair
-                prov = {"models": {"target": {"path": repo_relative(args.target), "sha256": sha256_of(args.target)},
-                                   **{role: {"spec": repo_relative(paths[n]) if not named_drafter(paths[n]) else n, "kind": n,
-                                             "sha256": sha256_of(paths[n]),
-                                             **({"draft_vocab": args.draft_vocab} if "draft_vocab" in drafter_takes(paths[n]) else {})}
-                                      for role, n in (("cheap", cheap_name), ("strong", strong_name))}},
-                        "prompts": {"split": "train", "sets": list(SETS), "per_set": args.value_prompts_per_set,
-                                    "context_tokens": args.context, "long_tokens": args.long_tokens}}
-            build_scheduler(target, TreeGraft(cheap, strong, policy="never"), args.tree, train_prompts, sched_dir,
-                            values_dir, run_dir, new_tokens=args.new_tokens, steps=args.distill_steps,
-                            provenance=prov, progress=not args.smoke)
-        if (sched_dir / sched_lib.CONFIG_FILE).is_file():
-            sched, calibration, _ = sched_lib.load_scheduler(str(sched_dir))
-            tg = TreeGraft(cheap, strong, scheduler=sched, policy="scheduler", calibration=calibration)
-        else:
-            sched_dir = None
-            tg = TreeGraft(cheap, strong, policy="never")
-        res = {"sets": {}, "scheduler_dir": None if sched_dir is None else repo_relative(sched_dir),
-               "scheduler_heldout_accuracy": None if sched_dir is None else heldout_accuracy(sched_dir)}
-        for s, prompts in eval_sets.items():
-            if not prompts:
-                continue
-            print(f"[bench_treegraft] {pair} / {s} ...", file=sys.stderr, flush=True)
-            row = {"cheap-only": engine_run(target, cheap, prompts, args.tree, args.new_tokens, args.repeats),
-                   "strong-only": engine_run(target, strong, prompts, args.tree, args.new_tokens, args.repeats)}
-            for policy in ("never", "always") + (("scheduler",) if sched_dir is not None else ()):
-                tg.set_policy(policy)
-                row[policy] = engine_run(target, tg, prompts, args.tree, args.new_tokens, args.repeats)
-            row["oracle"] = oracle_run(target, tg, args.tree, prompts, args.new_tokens,
-                                       row["never"]["round_s"], row["always"]["round_s"])
-            ref = row["cheap-only"]["sequences"]
-            for m in ("strong-only", "never", "always", "scheduler", "oracle"):
-                if m in row:
-                    row[m]["same_as_cheap"] = f"{sum(a == b for a, b in zip(ref, row[m]['sequences']))}/{len(ref)}"
-            res["sets"][s] = row
-        res["costs"] = costs(target, tg, args.tree, next(iter(eval_sets.values()))[0])
-        results[pair] = res
-    if not results:
-        print("no drafter pair could run", file=sys.stderr)
-        return 1
-    meta = run_meta("bench_treegraft", argv,
-                    setup="smoke: tiny random models" if args.smoke else f"zoo: {Path(args.target).name}",
-                    tree=args.tree, new_tokens=args.new_tokens, repeats=args.repeats)
-    print(write_treegraft_outputs(results, meta, out).read_text())
+        import tempfile
+        from tools import bench
+        root = Path(args.out_dir or tempfile.mkdtemp(prefix="treegraft_smoke_"))
+        smoke = bench.smoke_setup()
+        tree = "depth=4,topk=3,nodes=10"
+        sched = build("ngram+lm", "", tree, per_set=0, new_tokens=12, steps=40, batches=(1,), root=root, log=log,
+                      smoke=smoke)
+        names = [m.replace("feature@2048", "lm") for m in methods("ngram+lm", tree, str(sched), None, min_match=2)]
+        names = [m.replace("chain=8", "chain=4").replace(LEGACY_TREE, tree) for m in names]
+        return bench.main(["--smoke", "--no-draft-ms", "--out", str(root / "bench"), "--methods", ",".join(names)])
+    pairs = [p for p in args.pairs.split(",") if p]
+    unknown = [p for p in pairs if p not in PAIRS]
+    if unknown:
+        ap.error(f"--pairs: unknown {unknown}; choose from {', '.join(PAIRS)}")
+    if args.build:
+        for pair in pairs:
+            build(pair, args.target, args.tree, per_set=args.value_prompts_per_set, new_tokens=args.value_new_tokens,
+                  steps=args.distill_steps, log=log)
+    if args.bench:
+        out_dir = Path(args.out_dir or REPO / "bench/treegraft")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for pair in pairs:
+            sched = f"models/treegraft/{pair}" if (REPO / "models/treegraft" / pair / "scheduler_config.json").is_file() else None
+            legacy = f"runs/treegraft-v1/{pair}" if (REPO / "runs/treegraft-v1" / pair).is_dir() else None
+            for kind in args.sets.split(","):
+                out = out_dir / f"{pair}_{kind}_b{args.batch}"
+                cmd = bench_command(pair, kind, args.tree, sched, legacy, prompts=args.prompts,
+                                    new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, out=out)
+                log("[bench_treegraft] " + " ".join(cmd[1:]))
+                subprocess.run(cmd, cwd=REPO, check=False)
+                if (out.with_suffix(".json")).is_file():  # the pair's name in the file, for the summary
+                    d = json.loads(out.with_suffix(".json").read_text())
+                    d["meta"]["pair"] = pair
+                    out.with_suffix(".json").write_text(json.dumps(d, indent=2) + "\n")
+    if not (args.build or args.bench):
+        ap.error("give --build, --bench, --summary or --smoke")
+    meta = run_meta("bench_treegraft", argv)
+    log(f"[bench_treegraft] done ({meta['cpu']})")
     return 0
 
 

@@ -372,7 +372,7 @@ def _treegraft_main(ap, args, argv) -> dict:
         stack = compose.parse_stack(args.treegraft)
         if stack.composite != "treegraft":
             raise ValueError(f"{args.treegraft!r} is not a TreeGraft stack (CHEAP+STRONG)")
-        tg = compose.build(stack, compose.load_parts(stack.parts, target, target_path=args.target, tuned=False))
+        tg = compose.build(stack, compose.load_parts(stack.parts, target, target_path=args.target))  # the shipped defaults
     except ValueError as e:
         ap.error(f"--treegraft {args.treegraft}: {e}")
     table_ = treegraft_costs(target, tg, args.tree, batches, args.context, args.repeats, args.loops,

@@ -309,8 +309,8 @@ def main(argv=None) -> int:
     target = specjax.load_model(args.target)
     tok = specjax.load_tokenizer(args.target)
     try:
-        cheap = load_drafter(args.cheap, target, target_path=args.target, tuned=False)
-        strong = load_drafter(args.strong, target, target_path=args.target, tuned=False)
+        cheap = load_drafter(args.cheap, target, target_path=args.target)  # the shipped defaults (tuned.json)
+        strong = load_drafter(args.strong, target, target_path=args.target)
         tg = TreeGraft(cheap, strong, policy="switch" if cheap.drafts_matches else "graft", cheap_tree=args.cheap_tree,
                        graft_nodes=args.graft_nodes, graft_topk=args.graft_topk, strong_tree=args.strong_tree,
                        grow=args.grow, min_match=args.min_match)

@@ -645,34 +645,47 @@ class TreeGraft(Composite):
         stree, sstate = jax.lax.cond(need(A_STRONG, A_UNION), draft, skip_draft)
         stree = dataclasses.replace(stree, source=jnp.where(stree.valid, STRONG, CHEAP).astype(jnp.int8))
 
-        # the scoring pass over the cheap candidate tree (graft, recover)
+        # graft / recover: the scoring pass over the cheap candidate tree, the growth, the selection; all of
+        # it skipped when no active row grafts or recovers (the strong pass alone also when none invokes it)
         M, k = p.M, p.k
-        zeros = lambda: (jnp.zeros((B, M), jnp.float32), jnp.zeros((B, M, k), jnp.int32), jnp.zeros((B, M, k), jnp.float32))
-        if self.strong.can_score:
-            strong_local, top_tok, top_lq = jax.lax.cond(
-                need(A_GRAFT, A_RECOVER), lambda: self._strong_pass(state.strong, ctree, p.cheap_spec.max_depth, k), zeros)
-        else:
-            strong_local, top_tok, top_lq = zeros()
         graft_rows = use & jnp.isin(action, jnp.asarray((A_GRAFT, A_RECOVER)))
         if lab is not None:
             graft_rows = jnp.ones((B,), bool) & jnp.asarray(self.strong.can_score)
-        grown = None
-        if self.strong.can_score and p.available[A_RECOVER]:
-            Dc = p.cheap_spec.max_depth
-            strong_cum = tree_lib.path_sum(jnp.where(jnp.arange(M)[None] == 0, 0.0, strong_local), ctree.parents, Dc)
-            L = self.grow
-
-            def no_grow():
-                return Grown(jnp.zeros((B, L), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B, L), jnp.float32),
-                             jnp.zeros((B, L), bool))
-
-            grown = jax.lax.cond(need(A_RECOVER), lambda: self._grow(state.strong, ctree, strong_cum, D), no_grow)
         kw = dict(num_nodes=N, max_depth=D, graft_nodes=p.G, calibration=self.calibration.get_value())
-        gtree, scores, _ = graft_tree(ctree, strong_local, top_tok, top_lq, graft_rows, **kw)
-        if grown is not None:
-            rtree, rscores, _ = graft_tree(ctree, strong_local, top_tok, top_lq, graft_rows, grown=grown, **kw)
-        else:
+
+        def graft_branch():
+            zeros = lambda: (jnp.zeros((B, M), jnp.float32), jnp.zeros((B, M, k), jnp.int32),  # noqa: E731
+                             jnp.zeros((B, M, k), jnp.float32))
+            if self.strong.can_score:
+                strong_local, top_tok, top_lq = jax.lax.cond(
+                    need(A_GRAFT, A_RECOVER), lambda: self._strong_pass(state.strong, ctree, p.cheap_spec.max_depth, k),
+                    zeros)
+            else:
+                strong_local, top_tok, top_lq = zeros()
+            gtree, scores, _ = graft_tree(ctree, strong_local, top_tok, top_lq, graft_rows, **kw)
             rtree, rscores = gtree, scores
+            if self.strong.can_score and p.available[A_RECOVER]:
+                Dc, L = p.cheap_spec.max_depth, self.grow
+                strong_cum = tree_lib.path_sum(jnp.where(jnp.arange(M)[None] == 0, 0.0, strong_local), ctree.parents, Dc)
+                no_grow = lambda: Grown(jnp.zeros((B, L), jnp.int32), jnp.zeros((B,), jnp.int32),  # noqa: E731
+                                        jnp.zeros((B, L), jnp.float32), jnp.zeros((B, L), bool))
+                grown = jax.lax.cond(need(A_RECOVER), lambda: self._grow(state.strong, ctree, strong_cum, D), no_grow)
+                rtree, rscores, _ = graft_tree(ctree, strong_local, top_tok, top_lq, graft_rows, grown=grown, **kw)
+            par = jnp.maximum(ctree.parents, 0)
+            cheap_local = ctree.score - jnp.take_along_axis(ctree.score, par, axis=1)
+            scored = (ctree.valid & (ctree.parents >= 0) & graft_rows[:, None] & jnp.isfinite(strong_local)
+                      & jnp.isfinite(cheap_local))
+            diff = jnp.where(scored, strong_local - cheap_local, 0.0)
+            return gtree, scores, rtree, rscores, diff.sum(1), scored.sum(1).astype(jnp.float32)
+
+        def no_graft():
+            shapes = jax.eval_shape(graft_branch)
+            out = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            return (dataclasses.replace(out[0], valid=jnp.zeros_like(out[0].valid)), out[1],
+                    dataclasses.replace(out[2], valid=jnp.zeros_like(out[2].valid))) + out[3:]
+
+        any_graft = jnp.bool_(True) if lab is not None else jnp.any(active & jnp.isin(action, jnp.asarray((A_GRAFT, A_RECOVER))))
+        gtree, scores, rtree, rscores, calib_sum, calib_n = jax.lax.cond(any_graft, graft_branch, no_graft)
         chain_n = tree_lib.pad_nodes(chain, N)
         utree = (tree_lib.pad_nodes(union_tree(chain, stree, p.strong_nodes), N) if p.available[A_UNION] else chain_n)
         trees = (chain_n, stree, gtree, rtree, utree)
@@ -702,14 +715,8 @@ class TreeGraft(Composite):
         invoked = active & ((action == A_STRONG) | (action == A_UNION)
                             | (jnp.isin(action, jnp.asarray((A_GRAFT, A_RECOVER))) & use))
         n_grafted = jnp.sum(tree.valid & (tree.source != CHEAP), axis=1).astype(jnp.int32)
-        par = jnp.maximum(ctree.parents, 0)
-        cheap_local = ctree.score - jnp.take_along_axis(ctree.score, par, axis=1)
-        scored = (ctree.valid & (ctree.parents >= 0) & graft_rows[:, None] & jnp.isfinite(strong_local)
-                  & jnp.isfinite(cheap_local))
-        diff = jnp.where(scored, strong_local - cheap_local, 0.0)
         info = RoundInfo(tree=tree, scores=scores, action=action, invoked=invoked, features=features,
-                         n_grafted=n_grafted, calib_sum=diff.sum(1), calib_n=scored.sum(1).astype(jnp.float32),
-                         record=record)
+                         n_grafted=n_grafted, calib_sum=calib_sum, calib_n=calib_n, record=record)
         return Proposal(tree=tree, probs=None,
                         state=dataclasses.replace(state, cheap=cp.state, strong=sstate, pending=info))
 
