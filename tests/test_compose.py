@@ -87,9 +87,9 @@ def test_a_composite_reports_through_the_contract(target):
         out = specjax.generate(target, [[1, 2, 3, 4] * 6, [9, 8, 7]], max_new_tokens=8, eos_token_id=(),
                                drafters=[sw], tree="chain=4")
     st = out.stats
-    one = sw.report(st, 1)["switch"]
-    assert one["model_rounds"] == int(st["switch_model_rounds"][1])
-    assert sw.report(st)["switch"]["model_rounds"] == int(st["switch_model_rounds"].sum())
+    one = sw.report(st, 1)["treegraft"]
+    assert one["actions"]["strong"] == int(st["treegraft_action_strong"][1])
+    assert sw.report(st)["treegraft"]["actions"]["strong"] == int(st["treegraft_action_strong"].sum())
 
 
 def test_no_drafter_name_checks_outside_the_registry():

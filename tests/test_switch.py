@@ -73,6 +73,12 @@ def test_greedy_equals_autoregressive_and_both_drafters_draft(target, model, bat
                              drafters=[sw], tree="chain=5")
     assert engine.trace_count() == traces  # no recompilation for new prompts of the same shapes
     assert again.sequences()
+    if model == "feature":  # the same program recovers: the feature drafter scores the n-gram trie depth by depth
+        sw.set_policy("recover")
+        rec = specjax.generate(target, prompts, max_new_tokens=NEW, eos_token_id=(), drafters=[sw], tree="chain=5")
+        assert engine.trace_count() == traces and rec.sequences() == got.sequences()
+        assert (rec.stats["treegraft_action_recover"] == rec.stats["rounds"]).all()
+        sw.set_policy("switch")
 
 
 def test_bad_input_is_refused_before_tracing(target):

@@ -439,10 +439,11 @@ def test_rescoring_is_non_destructive(target, strong, cheap_lm):
             np.testing.assert_allclose(np.asarray(tree.score)[val], expect[val], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["lm", "feature"])
+@pytest.mark.parametrize("kind", ["lm", "feature", "feature-by-depth"])
 def test_score_equals_the_drafters_own_distributions(target, strong, kind):
     """One scoring pass over a tree gives the same q at every node as the drafter's own
-    depth-by-depth drafting of that tree (static tree: its propose returns q per node)."""
+    depth-by-depth drafting of that tree (static tree: its propose returns q per node); the feature
+    drafter's passes of one depth's nodes each (`per_depth`) too."""
     drafter = strong if kind == "lm" else FeatureDrafter(
         FeatureHead(FeatureConfig.for_target(target.config), nnx.Rngs(4)), target)
     spec = T.parse_tree_spec("[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]")
@@ -458,6 +459,8 @@ def test_score_equals_the_drafters_own_distributions(target, strong, kind):
         dstate = d.init(toks, lens, batch.capacity, out)
         root = jnp.argmax(engine.last_logits(out.logits, lens), -1).astype(jnp.int32)
         prop = d.propose(dstate, root, DraftContext(spec, "topk", SamplingParams.make(1.0), jax.random.key(0)))
+        if kind == "feature-by-depth":  # scratch for N + per_depth slots: the engine's slack covers it here
+            return prop.probs, jnp.exp(d.score(dstate, prop.tree, spec.max_depth, per_depth=3))
         return prop.probs, jnp.exp(d.score(dstate, prop.tree, spec.max_depth))
 
     own, scored = (np.asarray(x) for x in run(state, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths)))
@@ -627,8 +630,8 @@ def test_cli_treegraft(capsys, model_dir, distilled):
         [row] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
         assert row["tokens"] == ref
         tg = row["treegraft"]
-        assert set(tg) == {"policy", "invoked", "invoke_rate", "actions", "accepted_tokens", "recovered_share",
-                           "grafted_proposed", "grafted_accepted_paths"}
+        assert set(tg) == {"policy", "invoked", "invoke_rate", "actions", "model_round_share", "accepted_tokens",
+                           "recovered_share", "grafted_proposed", "grafted_accepted_paths"}
         assert sum(tg["actions"].values()) == row["rounds"]
         if how == "always":
             assert tg["invoked"] == row["rounds"] and tg["grafted_accepted_paths"] >= 1  # the target drafts itself

@@ -230,7 +230,8 @@ def is_oracle(m: Method) -> bool:
     return stack.composite == "treegraft" and stack.opts.get("policy") == "oracle"
 
 
-def oracle_row(target, drafters, m: Method, groups, new_tokens: int, repeats: int, ar_sequences) -> dict:
+def oracle_row(target, drafters, m: Method, groups, new_tokens: int, repeats: int, ar_sequences,
+               costs_file: str | None = None) -> dict:
     """The hindsight oracle's row: TreeGraft `labelled` with each row's greedy continuation (the AR row's
     outputs) and an action cost table profiled here (`tools.profile_widths.treegraft_costs`, this batch
     size); per round and row the action of the best goodput contribution, lam at the fixed point of the
@@ -245,9 +246,13 @@ def oracle_row(target, drafters, m: Method, groups, new_tokens: int, repeats: in
     tg = compose.build(compose.Stack.make(stack.parts, "treegraft", **opts), drafters)
     spec = tg.resolve_tree(tree_lib.parse_tree_spec(m.tree))
     B = len(groups[0])
-    table = treegraft_costs(target, tg, spec, [B], context=256, repeats=3, log=lambda s: print(s, file=sys.stderr))
-    row_c = table["batches"][str(B)]
     widths = tg.verify_widths(spec)
+    table = value_system.read_costs(costs_file) if costs_file else None
+    if table is None or str(B) not in table["batches"] or tuple(table["batches"][str(B)]["widths"]) != tuple(widths):
+        if table is not None:
+            print(f"[bench] {costs_file}: no batch {B} or other widths than {widths}: profiling here", file=sys.stderr)
+        table = treegraft_costs(target, tg, spec, [B], context=256, repeats=3, log=lambda s: print(s, file=sys.stderr))
+    row_c = table["batches"][str(B)]
     T = new_tokens + spec.max_depth + 1
     futs, i = [], 0
     for g in groups:
@@ -652,6 +657,9 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: all; a dynamic tree's commas stay in its name); "
                     "'DRAFTER TREE' with any loaded drafter and tree spec also works, e.g. 'lm chain=3'")
     ap.add_argument("--hf", action="store_true", help="also transformers' assisted generation (batch 1)")
+    ap.add_argument("--treegraft-costs", default=None, metavar="JSON",
+                    help="the action cost table a TreeGraft oracle row prices actions with (tools.profile_widths "
+                         "--treegraft; default: profiled in the run)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -741,7 +749,8 @@ def main(argv=None):
     for m in methods:
         print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
         if is_oracle(m):
-            row = oracle_row(target, drafters, m, groups, args.new_tokens, args.repeats, ar[0.0]["sequences"])
+            row = oracle_row(target, drafters, m, groups, args.new_tokens, args.repeats, ar[0.0]["sequences"],
+                             args.treegraft_costs)
         else:
             row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms)
         row["temperature"] = m.temperature

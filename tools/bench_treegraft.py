@@ -132,6 +132,9 @@ def bench_command(pair, kind, tree, sched_dir, legacy_dir, *, prompts, new_token
         cmd += [{"lm": "--draft", "feature": "--feature", "dspark": "--dspark"}[name], PATHS[name]]
     if "feature" in (c, s):
         cmd += ["--draft-vocab", "2048"]
+    costs = REPO / "runs/treegraft-costs" / f"{pair}.json"
+    if costs.is_file():
+        cmd += ["--treegraft-costs", repo_relative(costs)]
     return cmd
 
 
@@ -160,7 +163,7 @@ def summary(files) -> list[str]:
         sched = find(lambda m: "policy=models/treegraft" in m)
         pol = lambda name: find(lambda m: f"policy={name};" in m or m.split(" ")[0].endswith(f"policy={name}"))  # noqa: E731
         oracle = pol("oracle")
-        share = lambda r: (r or {}).get("drafter", {}).get("treegraft", {}).get("recovered_share")  # noqa: E731
+        share = lambda r: (r or {}).get("recovered_share")  # noqa: E731
         bad = sum(r.get("check", {}).get("mismatch", 0) for r in rows.values())
         fmt = lambda x: f"{x:.2f}x" if isinstance(x, (int, float)) else "–"  # noqa: E731
         vs_best = sched["tokens_per_s"] / best["tokens_per_s"] if sched and best else None

@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from specjax.drafters.composite import treegraft_scheduler as sched_lib
 from specjax.drafters.composite.treegraft import ACTIONS, TreeGraft, record_columns
+from train.common import repo_relative
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ("functions", "docstrings", "tests", "long")
@@ -204,6 +205,23 @@ def label(d: dict, row_costs: dict) -> dict:
     d["cost"] = cost.astype(np.float32)
     d["lam"] = np.float32(lam)
     d["value"] = np.where(np.isfinite(cost), d["accepted"] + 1 - lam * cost, -1e9).astype(np.float32)
+    return d
+
+
+def relabel(directory, costs: dict, costs_file=None) -> dict:
+    """A value dataset's labels from another cost table (the accepted lengths and widths do not depend on
+    it: a re-profiled machine or a faster action relabels without regenerating); rewrites it in place."""
+    directory = Path(directory)
+    with np.load(directory / "values.npz") as z:
+        d = {k: z[k] for k in z.files}
+    prov = json.loads((directory / "provenance.json").read_text())
+    B = int(prov.get("config", {}).get("batch_size", 1))
+    row = costs_for(costs, B)
+    d = label(d, row)
+    np.savez(directory / "values.npz", **d)
+    prov["lam_tokens_per_s"] = float(d["lam"])
+    prov["costs"] = {**({"file": repo_relative(costs_file)} if costs_file else {}), **row, "cpu": costs.get("cpu")}
+    (directory / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
     return d
 
 

@@ -51,7 +51,7 @@ hooks (host side, before tracing)
 hooks (traced)
     prepare(state, spec) -> state                      after init, before the first round: buffers sized
                                                         for the tree (default: the state as it is)
-    score(state, tree, max_depth) -> log q [B, N, V]   (can_score drafters only)
+    score(state, tree, max_depth, per_depth) -> log q [B, N, V]   (can_score drafters only)
     loop_stats(final_state) -> {name: [B] array}        extra per-row statistics (default: none)
     report(stats, row) -> {section: value}               its statistics of one row, JSON-ready, on the host
     with_options(**options) -> Drafter                   per-run options of its own (default: none taken)
@@ -189,8 +189,10 @@ class Drafter(nnx.Module):
         per tree node sized for `spec` (the adaptive shape's round buffers). Default: unchanged."""
         return state
 
-    def score(self, state, tree: TreeBuffers, max_depth: int | None = None):
-        """log q(·|node) at every node of another drafter's tree [B, N, V]; the state is unchanged."""
+    def score(self, state, tree: TreeBuffers, max_depth: int | None = None, per_depth: int | None = None):
+        """log q(·|node) at every node of another drafter's tree [B, N, V]; the state is unchanged.
+        `per_depth`: at most that many valid nodes at any depth (a drafter that scores depth by depth may
+        evaluate only those, with N + per_depth scratch slots; others ignore it)."""
         raise ValueError(f"the {self.name!r} drafter cannot score another drafter's tree (can_score=False)")
 
     def resolve_tree(self, spec: TreeSpec) -> TreeSpec:

@@ -282,16 +282,21 @@ class FeatureDrafter(heads.HeadDrafter):
                                                   stop=ctx.stop)
         return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache))
 
-    def score(self, state: FeatureState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+    def score(self, state: FeatureState, tree: tree_lib.TreeBuffers, max_depth: int | None = None,
+              per_depth: int | None = None):
         """log q(·|node) at every node of someone else's tree [B, N, V].
 
         A node's input is its parent's own output hidden state, so the tree is scored depth by
         depth: max_depth + 1 passes over all N nodes (scratch slot = node id), each pass feeding
         every node its parent's hidden state from the previous pass. After pass d the nodes of
         depth <= d are exact (their ancestors' K/V and hidden states no longer change), so the
-        last pass gives every node's distribution. The state is not changed."""
+        last pass gives every node's distribution. With `per_depth` (at most that many valid nodes at
+        any depth; the caller reserves N + per_depth scratch slots) each pass evaluates only its own
+        depth's nodes: `_score_by_depth`. The state is not changed."""
         B, N = tree.tokens.shape
         D = N - 1 if max_depth is None else max_depth
+        if per_depth is not None and per_depth < N:
+            return self._score_by_depth(state, tree, D, int(per_depth))
         E = self.head.config.hidden_size
         mask = tree_lib.ancestor_mask(tree, D) | jnp.eye(N, dtype=bool)[None]
         pos = state.cache.length[:, None] + tree.depth
@@ -308,6 +313,46 @@ class FeatureDrafter(heads.HeadDrafter):
 
         init = (jnp.zeros((B, N, E), x_root.dtype), jnp.zeros((B, N, self.vocab_size), jnp.float32))
         _, logits = jax.lax.fori_loop(0, D + 1, one_pass, init)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def _score_by_depth(self, state: FeatureState, tree: tree_lib.TreeBuffers, D: int, W: int):
+        """`score` in D + 1 passes of W nodes each: the nodes sorted by depth (scratch slot = rank in that
+        order), pass d evaluates the window of W slots from its depth's first node, writing their K/V
+        there (the window's tail, nodes of the next depths, is overwritten by their own pass before
+        anything reads it) and reading its parents' hidden states from the passes before."""
+        B, N = tree.tokens.shape
+        E = self.head.config.hidden_size
+        valid = tree.valid | (jnp.arange(N)[None] == 0)
+        key = jnp.where(valid, tree.depth, D + 1) * N + jnp.arange(N)[None]
+        order = jnp.argsort(key, axis=1).astype(jnp.int32)  # [B, N]: node ids by depth
+        at = valid[:, None, :] & (tree.depth[:, None, :] == jnp.arange(D + 1)[None, :, None])
+        counts = at.sum(-1).astype(jnp.int32)  # [B, D+1]
+        start = jnp.cumsum(counts, axis=1) - counts
+        S = N + W
+        order_pad = jnp.concatenate([order, jnp.zeros((B, W), jnp.int32)], axis=1)  # slot -> node (past N: none)
+        anc = tree_lib.ancestor_mask(tree, D) | jnp.eye(N, dtype=bool)[None]  # [B, node, ancestor node]
+        anc_slots = jnp.take_along_axis(anc, jnp.broadcast_to(order_pad[:, None, :], (B, N, S)) % N, axis=2) \
+            & (jnp.arange(S) < N)[None, None]  # [B, node, slot]
+        x_root = fuse(self.head, state.last_feature)[:, None]
+        hidden = jnp.zeros((B, N, E), x_root.dtype)
+        logits = jnp.zeros((B, N, self.vocab_size), jnp.float32)
+        rows = jnp.arange(B)[:, None]
+        cache = state.cache
+        for d in range(D + 1):
+            slots = jnp.minimum(start[:, d:d + 1] + jnp.arange(W)[None], S - 1)
+            ids = jnp.take_along_axis(order_pad, slots, axis=1)  # [B, W]
+            ok = jnp.arange(W)[None] < counts[:, d:d + 1]
+            if d == 0:
+                x_in = jnp.broadcast_to(x_root, (B, W, E))
+            else:
+                par = jnp.maximum(jnp.take_along_axis(tree.parents, ids, axis=1), 0)
+                x_in = jnp.take_along_axis(hidden, par[..., None], axis=1)
+            mask = jnp.take_along_axis(anc_slots, ids[..., None], axis=1)  # [B, W, S]
+            pos = cache.length[:, None] + jnp.take_along_axis(tree.depth, ids, axis=1)
+            x_out, lg, cache = step(self.head, self.target, jnp.take_along_axis(tree.tokens, ids, axis=1), x_in, pos,
+                                    cache, mask, start[:, d], attention=self.attention, vocab=self._vocab)
+            hidden = hidden.at[rows, ids].set(jnp.where(ok[..., None], x_out, hidden[rows, ids]))
+            logits = logits.at[rows, ids].set(jnp.where(ok[..., None], lg.astype(jnp.float32), logits[rows, ids]))
         return jax.nn.log_softmax(logits, axis=-1)
 
     def commit(self, state: FeatureState, committed: Committed) -> FeatureState:

@@ -100,7 +100,7 @@ class LMDrafter(Drafter):
         # Scratch K/V stay past the committed length (commit overwrites them); scratch states go.
         return Proposal(tree=tree, probs=probs, state=fam.release(cache))
 
-    def score(self, cache, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+    def score(self, cache, tree: tree_lib.TreeBuffers, max_depth: int | None = None, per_depth: int | None = None):
         """log q(·|node) at every node of someone else's tree [B, N, V], in one tree-attention pass:
         all N nodes in the scratch slots past the committed cache, each seeing its ancestors.
         The cache is not changed (the scratch K/V are dropped; commit rewrites those slots)."""

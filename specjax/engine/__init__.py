@@ -1,5 +1,5 @@
-"""The engine: `generate` and its one jitted loop (`loop`), single rounds driven from the host
-(`stepper`), and FOLD's attention diagnostics over a generation (`fold_diagnostics`).
+"""The engine: `generate` and its one jitted loop (`loop`), and FOLD's attention diagnostics over a
+generation (`fold_diagnostics`).
 
 Layer: the top of the library (below the CLI); imports drafters, models and spec, never the reverse."""
 from specjax.engine.loop import GenerationResult, generate, trace_count

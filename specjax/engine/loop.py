@@ -308,7 +308,7 @@ class RoundPlan:
 def plan_rounds(model: Model, drafter: Drafter, tree, verify, temperature: float, margin=None) -> RoundPlan:
     """What every speculative loop checks and decides on the host before tracing: the drafter's
     vocabulary, its resolved tree, the rule, the drafter's own refusals and the scratch it needs.
-    `generate` and `stepper.RoundStepper` both start from it."""
+    `generate` starts from it."""
     V = model.config.vocab_size
     if drafter.vocab_size is not None and drafter.vocab_size != V:
         raise ValueError(f"drafter {drafter.name!r} has vocabulary {drafter.vocab_size} but the target has {V}: "

@@ -78,7 +78,7 @@ class DParaDrafter(BlockDrafter):
     def propose(self, state, root_B, ctx: DraftContext) -> Proposal:
         return self.with_boundaries(super().propose(state, root_B, ctx), ctx)
 
-    def score(self, state, tree, max_depth=None):
+    def score(self, state, tree, max_depth=None, per_depth=None):
         raise ValueError("a DPara drafter drafts from a block precomputed for its own previous draft: it cannot "
                          "score another drafter's tree (can_score=False)")
 

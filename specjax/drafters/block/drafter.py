@@ -295,7 +295,8 @@ class BlockDrafter(heads.HeadDrafter):
         drafted = state.drafted + active.astype(jnp.int32) * jnp.sum(tree.valid[:, 1:], axis=1, dtype=jnp.int32)
         return Proposal(tree=tree, probs=probs, state=dataclasses.replace(state, cache=cache, drafted=drafted))
 
-    def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None):
+    def score(self, state: BlockState, tree: tree_lib.TreeBuffers, max_depth: int | None = None,
+              per_depth: int | None = None):
         """log q(·|node) at every node of any tree [B, N, V], in one backbone pass: a node at depth d
         holding token x is followed by block position d, whose Markov logits are b_d + W2(W1[x])
         (the exact distribution this drafter would draft from there). Past the block (d >= W) q is

@@ -304,6 +304,7 @@ class Plan:
     strong_nodes: int
     union_nodes: int
     available: tuple  # bool per action
+    per_depth: int  # the most valid nodes of the cheap tree at one depth (the strong drafter's scoring passes)
 
 
 class TreeGraft(Composite):
@@ -485,7 +486,11 @@ class TreeGraft(Composite):
         union = chain_depth + S
         can = self.strong.can_score
         available = (True, True, can, can, union <= N)
-        return Plan(cspec, M, G, k, chain_depth, sspec, S, union, available)
+        if isinstance(cspec, tree_lib.DynamicTree):  # depth 1: topk nodes; deeper: topk children of topk frontier nodes
+            per_depth = min(M - 1, cspec.topk * cspec.topk)
+        else:
+            per_depth = int(np.bincount(cspec.layout()[1]).max())
+        return Plan(cspec, M, G, k, chain_depth, sspec, S, union, available, per_depth)
 
     def check_tree(self, spec, rule: str) -> int:
         """Engine hook, on the host before tracing: refuses sampled rules and a bad plan; returns the
@@ -507,7 +512,8 @@ class TreeGraft(Composite):
             own.append(self.strong.check_tree(p.cheap_spec, rule))
         evaluated = p.cheap_spec.pool_size if isinstance(p.cheap_spec, tree_lib.DynamicTree) else p.M
         s_eval = p.strong_spec.pool_size if isinstance(p.strong_spec, tree_lib.DynamicTree) else p.strong_nodes
-        return max(evaluated, p.M, spec.num_nodes, s_eval, p.chain_depth + 1, *own)
+        # the strong drafter's passes write up to per_depth slots past the cheap tree's, and growth a chain past D + 1
+        return max(evaluated, p.M + p.per_depth, spec.num_nodes, s_eval, p.chain_depth + 2, *own)
 
     def verify_widths(self, spec) -> tuple[int, ...]:
         """Each action's node count (the cheap chain, the strong tree, the union where it fits) and the
@@ -533,8 +539,8 @@ class TreeGraft(Composite):
             counters={c: jnp.zeros((B,), jnp.int32) for c in COUNTERS},
             records=None if lab is None else jnp.zeros((B, lab.rounds, record_size()), jnp.float32))
 
-    def _strong_pass(self, sstate, ctree: TreeBuffers, depth: int, k: int):
-        lq = self.strong.score(sstate, ctree, depth)  # [B, M, V]
+    def _strong_pass(self, sstate, ctree: TreeBuffers, depth: int, k: int, per_depth: int):
+        lq = self.strong.score(sstate, ctree, depth, per_depth=per_depth)  # [B, M, V]
         B, M = ctree.tokens.shape
         par = jnp.maximum(ctree.parents, 0)
         local = lq[jnp.arange(B)[:, None], par, ctree.tokens]
@@ -562,7 +568,7 @@ class TreeGraft(Composite):
         def step(i, carry):
             toks, lqs = carry
             t = dataclasses.replace(chain, tokens=toks)
-            lq = self.strong.score(sstate, t, D)  # [B, D+1, V]
+            lq = self.strong.score(sstate, t, D, per_depth=1)  # [B, D+1, V]: a chain, one node per depth
             at = jnp.minimum(d0 + i, D)  # the node the i-th grown token hangs under
             row = jnp.take_along_axis(lq, at[:, None, None], axis=1)[:, 0]
             tok = jnp.argmax(row, axis=-1).astype(jnp.int32)
@@ -658,7 +664,8 @@ class TreeGraft(Composite):
                              jnp.zeros((B, M, k), jnp.float32))
             if self.strong.can_score:
                 strong_local, top_tok, top_lq = jax.lax.cond(
-                    need(A_GRAFT, A_RECOVER), lambda: self._strong_pass(state.strong, ctree, p.cheap_spec.max_depth, k),
+                    need(A_GRAFT, A_RECOVER), lambda: self._strong_pass(state.strong, ctree, p.cheap_spec.max_depth, k,
+                                                                    p.per_depth),
                     zeros)
             else:
                 strong_local, top_tok, top_lq = zeros()
@@ -768,6 +775,8 @@ class TreeGraft(Composite):
             "invoked": invoked,  # rounds where the strong drafter ran
             "invoke_rate": round(invoked / rounds, 4),
             "actions": {a: stat_sum(stats, f"treegraft_action_{a}", row) for a in ACTIONS},  # rounds per action
+            # rounds the strong drafter's own tree was verified (the Switch's "model rounds")
+            "model_round_share": round(stat_sum(stats, "treegraft_action_strong", row) / rounds, 4),
             "accepted_tokens": tokens,  # accepted draft tokens by the source of their node
             "recovered_share": round(tokens["recovered"] / total, 4),
             "grafted_proposed": stat_sum(stats, "treegraft_grafted_proposed", row),  # strong nodes verified
