@@ -157,7 +157,7 @@ def composite() -> None:
 
     wrapped = {"adaptive": (AdaptiveShape(bare, (1.0,) * len(widths.adaptive_widths(5))), "inner/"),
                "treegraft": (TreeGraft(NgramDrafter(), bare), "strong/"),
-               "switch": (Switch(NgramDrafter(), bare), "model/")}
+               "switch": (Switch(NgramDrafter(), bare), "strong/")}
     ref_layout = layout(bare, "")
     for name, (d, under) in wrapped.items():
         emit(check="composite-layout", wrapper=name, bare=ref_layout, wrapped=layout(d, under))

@@ -57,8 +57,8 @@ def test_bad_stacks_are_refused(text, message):
 def test_build_makes_the_composite_with_its_defaults(target):
     parts = {"ngram": NgramDrafter(), "lm": noisy_lm_drafter(VOCAB)}
     sw = compose.build(compose.parse_stack("ngram|lm"), parts)
-    assert isinstance(sw, Switch) and sw.min_match == 3 and str(sw.model_tree) == str(
-        Switch(parts["ngram"], parts["lm"]).model_tree)
+    assert isinstance(sw, TreeGraft) and sw.policy == "switch" and sw.min_match == 3 and str(sw.strong_tree) == str(
+        Switch(parts["ngram"], parts["lm"]).strong_tree)
     tg = compose.build(compose.parse_stack("ngram+lm;policy=never"), parts)
     assert isinstance(tg, TreeGraft) and tg.policy == "never"
     assert compose.build(compose.parse_stack("lm"), parts) is parts["lm"]

@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specjax.drafters import REGISTRY, drafter_kind, named_drafter
 from tools.harness import REPO, run_meta
 from train.common import repo_relative
 
@@ -63,11 +64,11 @@ def build(pair: str, target_dir: str, tree: str, *, per_set: int, new_tokens: in
     else:
         target = specjax.load_model(target_dir)
         specs = [PATHS[cheap_name], PATHS[strong_name]]
-        parts = compose.load_parts([str(root / s) if s != "ngram" else s for s in specs], target, target_path=target_dir)
+        parts = compose.load_parts([s if named_drafter(s) else str(root / s) for s in specs], target, target_path=target_dir)
         tok = specjax.load_tokenizer(target_dir)
         train_prompts = [(p["ids"], p["set"]) for p in value_system.training_prompts(tok, value_system.SETS, per_set)]
         models = {"target": {"path": repo_relative(target_dir), "sha256": value_system.sha256_of(target_dir)},
-                  **{role: {"spec": s, "kind": d.name, "sha256": value_system.sha256_of(root / s) if s != "ngram" else None}
+                  **{role: {"spec": s, "kind": d.name, "sha256": None if named_drafter(s) else value_system.sha256_of(root / s)}
                      for role, s, d in zip(("cheap", "strong"), specs, parts)}}
     policy = "switch" if parts[0].drafts_matches else "graft"
     tg = compose.build(compose.Stack.make([cheap_name, strong_name], "treegraft", policy=policy), parts)
@@ -110,7 +111,7 @@ def methods(pair: str, tree: str, sched_dir: str | None, legacy_dir: str | None,
     cn, sn = BENCH_NAMES[c], BENCH_NAMES[s]
     st = f"strong_tree={BEST[s]}"
     rows = [f"{cn} {BEST[c]}", f"{cn} {LEGACY_TREE}", f"{sn} {BEST[s]}", f"{sn} {LEGACY_TREE}"]
-    if c == "ngram":
+    if REGISTRY[drafter_kind(PATHS[c] if named_drafter(PATHS[c]) else str(REPO / PATHS[c]))].drafts_matches:  # a match drafter: the Switch's rows
         rows += [f"{cn}|{sn};min_match={min_match};model_tree={BEST[s]} {BEST[c]}",
                  f"{cn}+{sn};policy=switch;min_match={min_match};{st} {tree}"]
     rows += [f"{cn}+{sn} {LEGACY_TREE}"]  # TreeGraft before actions: graft every round
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
         sched = build("ngram+lm", "", tree, per_set=0, new_tokens=12, steps=40, batches=(1,), root=root, log=log,
                       smoke=smoke)
         names = [m.replace("feature@2048", "lm") for m in methods("ngram+lm", tree, str(sched), None, min_match=2)]
-        names = [m.replace("chain=8", "chain=4").replace(LEGACY_TREE, tree) for m in names]
+        names = [m.replace("chain=8", "chain=4").replace("chain=6", "chain=3").replace(LEGACY_TREE, tree) for m in names]
         return bench.main(["--smoke", "--no-draft-ms", "--out", str(root / "bench"), "--methods", ",".join(names)])
     pairs = [p for p in args.pairs.split(",") if p]
     unknown = [p for p in pairs if p not in PAIRS]

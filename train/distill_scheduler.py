@@ -53,6 +53,7 @@ class DistillConfig:
     learning_rate: float = 3e-3
     weight_decay: float = 1e-4
     heldout_fraction: float = 0.25
+    validation_fraction: float = 0.2  # of the training prompts: the step kept is the best goodput there
     min_match: int = 3  # the Switch rule it is compared with
     seed: int = 0
     eval_every: int = 100
@@ -136,7 +137,17 @@ def fit(cfg: DistillConfig, data: dict, train_mask, run_dir: Path, identity: dic
     avail = np.asarray(data["available"], bool)
     X = data["features"].astype(np.float32)
     Y = centred(data["value"], avail)
-    Xtr, Ytr = X[train_mask], Y[train_mask]
+    # a validation split of the training prompts picks the step kept (the labels are noisy: a round's best
+    # action is partly luck, and the MLP fits it); the held-out prompts stay unseen
+    train_ids = np.unique(data["prompt"][train_mask])
+    val_mask = np.zeros_like(train_mask)
+    if len(train_ids) >= 3:
+        val_mask = train_mask & split_by_prompt(np.where(train_mask, data["prompt"], train_ids[0]),
+                                                cfg.validation_fraction, cfg.seed + 1)
+        if val_mask.all() or not (train_mask & ~val_mask).any():
+            val_mask = np.zeros_like(train_mask)
+    fit_mask = train_mask & ~val_mask
+    Xtr, Ytr = X[fit_mask], Y[fit_mask]
     sched = sched_lib.Scheduler(sched_lib.SchedulerConfig(hidden=cfg.hidden, kind="regression", actions=ACTIONS),
                                 seed=cfg.seed)
     mean, std = Xtr.mean(0), Xtr.std(0)
@@ -178,7 +189,10 @@ def fit(cfg: DistillConfig, data: dict, train_mask, run_dir: Path, identity: dic
         out = np.asarray(predict(state["params"], jnp.asarray(X)))
         pick = np.argmax(np.where(avail[None], out, -np.inf), axis=1)
         return {"step": step, "train_loss": loss, "heldout": policy_metrics(pick, data, ~train_mask, cfg.min_match),
-                "train": policy_metrics(pick, data, train_mask, cfg.min_match)}
+                "validation": policy_metrics(pick, data, val_mask, cfg.min_match),
+                "train": policy_metrics(pick, data, fit_mask, cfg.min_match)}
+
+    kept = None  # (validation goodput, step, params) of the best evaluation
 
     for step in range(start, cfg.steps):
         idx = rng.integers(0, len(Xtr), bs)
@@ -191,13 +205,21 @@ def fit(cfg: DistillConfig, data: dict, train_mask, run_dir: Path, identity: dic
             record = evaluate(done, loss)
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            score = record["validation"].get("goodput", 0.0)
+            if kept is None or score > kept[0]:
+                kept = (score, done, state["params"], record)
         mngr.save(done, args=ocp.args.StandardSave(state), force=(done == cfg.steps))
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
     if record is None:
         record = evaluate(int(state["step"]), float("nan"))
-    nnx.update(sched, state["params"])
+    if kept is not None and val_mask.any():
+        _, step_kept, params_kept, record = kept
+        record = {**record, "kept_step": step_kept}
+        nnx.update(sched, params_kept)
+    else:
+        nnx.update(sched, state["params"])
     return sched, record
 
 
