@@ -114,7 +114,7 @@ def test_refusals(trained):
     d = DParaDrafter(head, target)
     dspark = BlockDrafter(BlockHead(dataclasses.replace(head.config, boundary=False, ar_intermediate=0), nnx.Rngs(0)),
                           target)
-    with pytest.raises(ValueError, match="TreeGraft grafts a new tree"):
+    with pytest.raises(ValueError, match="commits against the tree it proposed itself"):
         TreeGraft(d, dspark)
     with pytest.raises(ValueError, match="score another drafter's tree"):
         TreeGraft(specjax.drafters.NgramDrafter(), d)

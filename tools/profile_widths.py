@@ -67,11 +67,14 @@ def random_prompts(vocab_size: int, batch: int, context: int, seed: int = 0) -> 
     return [rng.integers(3, vocab_size, context).tolist() for _ in range(batch)]
 
 
-def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int = LOOPS, mode: str = "topk") -> float:
+def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int = LOOPS, mode: str = "topk",
+                  policies=None):
     """Seconds of one round's drafting (the drafter's propose, then its commit of the round's
     accepted tokens): `loops` propose + commit pairs in one jitted `fori_loop` carrying the
     drafter's state, on the state after a prefill of `prompts` and one real greedy round.
-    Works for any drafter (the commit replayed is that first round's)."""
+    Works for any drafter (the commit replayed is that first round's). With `policies` (a composite
+    whose policy is a traced setting: `set_policy`), a list: the seconds under each policy, timed by one
+    compiled program (the policy is part of the state)."""
     spec = drafter.resolve_tree(tree_lib.parse_tree_spec(spec))
     D, M = spec.max_depth, 8
     V = target.config.vocab_size
@@ -107,7 +110,14 @@ def draft_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int =
 
         return jax.lax.fori_loop(0, loops, body, (dstate, jnp.int32(0)))[1]
 
-    return median_s(lambda: run(state, carry.dstate, carry.root), repeats) / loops
+    if policies is None:
+        return median_s(lambda: run(state, carry.dstate, carry.root), repeats) / loops
+    out = []
+    for pol in policies:
+        drafter.set_policy(pol)
+        _, st = nnx.split((target, drafter))
+        out.append(median_s(lambda: run(st, carry.dstate, carry.root), repeats) / loops)
+    return out
 
 
 def round_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int = LOOPS) -> float:
@@ -232,13 +242,10 @@ def treegraft_costs(target, tg, spec, batches, context: int, repeats: int, loops
     keep, rows = tg.policy, {}
     for B in batches:
         prompts = random_prompts(target.config.vocab_size, B, context, seed=B)
-        draft = []
-        for a, ok in zip(ACTIONS, available):
-            if not ok:
-                draft.append(None)
-                continue
-            tg.set_policy(a)
-            draft.append(draft_seconds(target, tg, prompts, spec, repeats, loops))
+        acts = [a for a, ok in zip(ACTIONS, available) if ok]
+        tg.set_policy(acts[0])
+        secs = dict(zip(acts, draft_seconds(target, tg, prompts, spec, repeats, loops, policies=acts)))
+        draft = [secs.get(a) for a in ACTIONS]  # an action that does not fit the setup: None
         tg.set_policy(keep)
         ver = verify_seconds(target, tuple(tg.target_layers), prompts, spec, widths, repeats, loops)
         rows[str(B)] = {"widths": list(widths), "draft_s": draft, "verify_s": [ver[w] for w in widths]}
