@@ -129,7 +129,7 @@ def methods(pair: str, tree: str, sched_dir: str | None, legacy_dir: str | None,
 def bench_command(pair, kind, tree, sched_dir, legacy_dir, *, prompts, new_tokens, repeats, batch, out) -> list[str]:
     c, _, s = pair.partition("+")
     cmd = [sys.executable, "-m", "tools.bench", "--kind", kind, "--prompts", str(prompts), "--new-tokens",
-           str(new_tokens), "--repeats", str(repeats), "--batch", str(batch), "--no-draft-ms", "--out", str(out),
+           str(new_tokens), "--repeats", str(repeats), "--batch", str(batch), "--no-draft-ms", "--out", repo_relative(out),
            "--compile-cache", "runs/jax-cache", "--methods", ",".join(methods(pair, tree, sched_dir, legacy_dir))]
     for name in {c, s} - {"ngram"}:
         cmd += [{"lm": "--draft", "feature": "--feature", "dspark": "--dspark"}[name], PATHS[name]]
