@@ -223,10 +223,11 @@ def main(argv=None) -> int:
                       smoke=smoke, strong_tree="chain=3")
         names = [m.replace("feature@2048", "lm") for m in methods("ngram+lm", tree, str(sched), None, min_match=2)]
         names = [m.replace("chain=8", "chain=4").replace("chain=6", "chain=3").replace(LEGACY_TREE, tree) for m in names]
-        # the rows' kinds once each (a compile per row): single drafters, the Switch, the scheduler, recover, the
-        # oracle (the other policies' outputs are checked by tests/test_treegraft.py)
+        # the rows' kinds once each (a compile per row): single drafters at their chains, the scheduler, recover,
+        # the oracle (the other policies' and the Switch's outputs are checked by tests/test_treegraft.py and
+        # tests/test_switch.py; the summary leaves a column it has no row for at "–")
         names = [m for m in names if " " + tree not in m or any(k in m for k in (f"policy={sched};", "policy=recover", "policy=oracle"))]
-        names = [m for m in names if "policy=switch" not in m and "policy=union" not in m]
+        names = [m for m in names if "policy=switch" not in m and "policy=union" not in m and "|" not in m.split(" ")[0]]
         return bench.main(["--smoke", "--no-draft-ms", "--out", str(root / "bench"), "--methods", ",".join(names),
                            "--treegraft-costs", str(root / "runs/treegraft-costs/ngram+lm.json")])
     pairs = [p for p in args.pairs.split(",") if p]
