@@ -191,9 +191,10 @@ def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
 def warmup_groups(groups):
     """One group per compiled shape (prompts are padded to the engine's bucket)."""
     from specjax.engine.loop import PROMPT_BUCKET
+    from specjax.models.prefill import prompt_bucket
     seen = {}
     for g in groups:
-        seen.setdefault(-(-max(len(p) for p in g) // PROMPT_BUCKET), g)
+        seen.setdefault(prompt_bucket(max(len(p) for p in g), PROMPT_BUCKET), g)
     return list(seen.values())
 
 

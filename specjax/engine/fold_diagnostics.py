@@ -13,6 +13,7 @@ from specjax.models import fold as fold_lib
 from specjax.spec import tree as tree_lib
 from specjax.drafters.base import DraftContext
 from specjax.models import family
+from specjax.models import prefill as prefill_lib
 from specjax.spec.sampling import SamplingParams
 
 
@@ -36,7 +37,7 @@ def attention_diagnostics(target, drafter, prompts, *, seed: int = 0) -> dict:
         fam = family(tgt)
         B = tokens.shape[0]
         cache = fam.init_cache(tgt, B, batch.capacity)
-        out = fam.prefill(tgt, tokens, lengths, cache, hidden_layers=tuple(dr.target_layers))
+        out = prefill_lib.prefill(fam, tgt, tokens, lengths, cache, hidden_layers=tuple(dr.target_layers))
         root = jnp.argmax(engine.last_logits(out.logits, lengths), -1).astype(jnp.int32)
         dstate = dr.init(tokens, lengths, batch.capacity, out)
         ctx = DraftContext(spec, "topk", SamplingParams.make(0.0, 0, 1.0), jax.random.key(seed))

@@ -23,6 +23,7 @@ from specjax.spec import widths as widths_lib
 from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.io import compile_cache
 from specjax.models import family
+from specjax.models import prefill as prefill_lib
 from specjax.models.transformer import Model
 from specjax.spec.sampling import SamplingParams
 from specjax.models.sharding import BATCH, REPLICATED
@@ -60,8 +61,9 @@ class PreparedBatch:
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int,
-                    capacity: int | None = None, slack: int = 0) -> PreparedBatch:
-    """Validates and right-pads token-id prompts. Raises ValueError before anything is traced."""
+                    capacity: int | None = None, slack: int = 0, max_positions: int | None = None) -> PreparedBatch:
+    """Validates and right-pads token-id prompts. Raises ValueError before anything is traced, also for a
+    prompt longer than `max_positions` (the model's context, `max_position_embeddings`)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if isinstance(prompts[0], (int, np.integer)):
@@ -84,7 +86,11 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_t
             raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
         rows.append(arr.astype(np.int32))
     lengths = np.array([len(r) for r in rows], np.int32)
-    P = PROMPT_BUCKET * math.ceil(int(lengths.max()) / PROMPT_BUCKET)
+    if max_positions is not None and lengths.max() > max_positions:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"prompt {i} has {lengths[i]} tokens, more than the model's context "
+                         f"(max_position_embeddings = {max_positions}); shorten it")
+    P = prefill_lib.prompt_bucket(int(lengths.max()), PROMPT_BUCKET)  # chunk multiples above one chunk
     need = int(lengths.max()) + max_new_tokens + slack
     if capacity is None:
         capacity = P + max_new_tokens + slack
@@ -147,7 +153,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                                      state_budget_bytes=state_budget_bytes, mesh=mesh)
     if tree is not None or verify is not None or margin is not None:
         raise ValueError("tree=, verify= and margin= need at least one drafter")
-    batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity)
+    batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity,
+                            max_positions=model.config.max_position_embeddings)
     graphdef, state = nnx.split(model)
     inputs = _placed(mesh, state, (family(model).PARTITION_RULES,), batch,
                      (SamplingParams.make(temperature, top_k, top_p), jax.random.key(seed), jnp.asarray(eos)))
@@ -190,7 +197,8 @@ def is_eos(tokens_B, eos_E):
 
 
 def last_logits(logits_BxTxV, lengths_B):
-    return jnp.take_along_axis(logits_BxTxV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    """Each row's logits at its last prompt position (a whole prefill's [B, P, V] or a chunked one's [B, 1, V])."""
+    return prefill_lib.prompt_logits(logits_BxTxV, lengths_B)
 
 
 @jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "greedy"))
@@ -204,7 +212,7 @@ def _generate_ar(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams,
     fam = family(model)  # transformer or hybrid: the target's functions
     cache = fam.init_cache(model, B, capacity)
     with jax.named_scope("prefill"):
-        out = fam.prefill(model, prompt_BxP, lengths_B, cache)
+        out = prefill_lib.prefill(fam, model, prompt_BxP, lengths_B, cache)  # in chunks when long
         tok_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     buf_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(tok_B)
     done_B = is_eos(tok_B, eos_E)
@@ -340,7 +348,8 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     plan = plan_rounds(model, drafter, tree, verify, temperature, margin)
     spec, rule, mode, delta, slack = plan.spec, plan.rule, plan.mode, plan.delta, plan.slack
     V = model.config.vocab_size
-    batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack)
+    batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack,
+                            max_positions=model.config.max_position_embeddings)
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
     drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
     graphdef, state = nnx.split((model, drafter))
@@ -413,8 +422,8 @@ def spec_start(model, drafter, prompt_BxP, lengths_B, params: SamplingParams, ke
     B, M, D = prompt_BxP.shape[0], max_new_tokens, spec.max_depth
     fam = family(model)  # transformer or hybrid: the target's functions
     with jax.named_scope("prefill"):
-        out = fam.prefill(model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
-                          hidden_layers=tuple(drafter.target_layers))
+        out = prefill_lib.prefill(fam, model, prompt_BxP, lengths_B, fam.init_cache(model, B, capacity),
+                                  hidden_layers=tuple(drafter.target_layers))  # in chunks when long
         root_B = sampling.sample(jax.random.fold_in(key, 0), last_logits(out.logits, lengths_B), params, greedy)
     with jax.named_scope("draft_init"):
         dstate = drafter.prepare(drafter.init(prompt_BxP, lengths_B, capacity, out), spec)

@@ -209,8 +209,65 @@ class InvariantAttention:
         return attention
 
 
+def blockwise_attend(q_BxTxHxD, k_BxCxKxD, v_BxCxKxD, length_B, block_mask_BxTxS, key_block: int):
+    """`attend` under `kvcache.visible_mask(length, block_mask)` without its [B, T, C] mask or [T, C] scores:
+    an online softmax over key blocks of `key_block` slots (flash attention's recurrence), and only over
+    the blocks some query sees (slots below max(length) + S): a chunk of a long prefill reads the cache up
+    to its own end, not the whole capacity. Scores of one block at a time: memory T x key_block per head."""
+    B, T, H, D = q_BxTxHxD.shape
+    C, K = k_BxCxKxD.shape[1], k_BxCxKxD.shape[2]
+    S = block_mask_BxTxS.shape[2]
+    G = H // K
+    kb = min(key_block, C)
+    q_BxKxGxTxD = q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).astype(jnp.float32) / math.sqrt(D)
+    n_blocks = (jnp.max(length_B) + S + kb - 1) // kb  # blocks holding any visible slot
+    n_blocks = jnp.minimum(n_blocks, (C + kb - 1) // kb)
+
+    def body(j, carry):
+        m, l, acc = carry
+        start = jnp.minimum(j * kb, C - kb)  # the last block is shifted back to fit the capacity ...
+        slot_X = start + jnp.arange(kb)
+        k = jax.lax.dynamic_slice_in_dim(k_BxCxKxD, start, kb, axis=1).astype(jnp.float32)
+        v = jax.lax.dynamic_slice_in_dim(v_BxCxKxD, start, kb, axis=1).astype(jnp.float32)
+        rel_BxX = slot_X[None] - length_B[:, None]
+        idx_BxTxX = jnp.broadcast_to(jnp.clip(rel_BxX, 0, S - 1)[:, None], (B, T, kb))
+        in_block_BxTxX = jnp.take_along_axis(block_mask_BxTxS, idx_BxTxX, axis=2) & ((rel_BxX >= 0) & (rel_BxX < S))[:, None]
+        vis_BxTxX = ((rel_BxX < 0)[:, None] | in_block_BxTxX) & (slot_X >= j * kb)[None, None]  # ... its overlap counted once
+        s = jnp.einsum("bkgtd,bxkd->bkgtx", q_BxKxGxTxD, k)
+        s = jnp.where(vis_BxTxX[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(vis_BxTxX[:, None, None], jnp.exp(s - safe[..., None]), 0.0)
+        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("bkgtx,bxkd->bkgtd", p, v)
+
+    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # nothing visible: 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v_BxCxKxD.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseAttention:
+    """`blockwise_attend`: what a long prompt's chunked prefill attends with (`specjax.models.prefill`):
+    bounded memory, and a chunk's cost grows with its own end, not with the cache's capacity."""
+    key_block: int = 512
+    rotates: ClassVar[bool] = False
+    invariant: ClassVar[bool] = False
+
+    def bind(self, cache: KVCache, positions_BxT, block_mask_BxTxS) -> LayerAttention:
+        length_B = cache.length
+
+        def attention(q_BxTxHxD, cache: KVCache, idx: int):
+            return blockwise_attend(q_BxTxHxD, cache.k[idx], cache.v[idx], length_B, block_mask_BxTxS, self.key_block)
+
+        return attention
+
+
 DENSE = DenseAttention()
 INVARIANT = InvariantAttention()
+BLOCKWISE = BlockwiseAttention()
 IMPLS = ("jnp", "invariant", "auto", "pallas", "interpret", "reference")
 
 

@@ -260,6 +260,9 @@ def causal_mask(batch: int, T: int, lengths_B=None) -> BlockMask:
     return m
 
 
+CHUNK_ATTENTION = True  # a chunked prefill's `extend` takes attention=BLOCKWISE (`specjax.models.prefill`)
+
+
 def init_cache(model: Model, batch: int, capacity: int) -> KVCache:
     cfg = model.config
     return kvcache.init(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
