@@ -7,7 +7,8 @@
 - `generate` with prompts longer than a chunk: greedy speculative output equals autoregressive output,
   and both equal the output of an unchunked prefill (up to near-ties); one program per length bucket;
 - a prompt longer than the model's context is refused before anything is traced;
-- `tools.profile_long`'s measurement of one length (prefill, decode step, verify forward) on a tiny target.
+- `tools.profile_long`'s measurement of one length (prefill, decode step, verify forward) on a tiny target;
+- the long prompt sets (`train.prompts.long_prompts`: long code, long chat).
 """
 from __future__ import annotations
 
@@ -117,3 +118,26 @@ def test_profile_long_measures_one_length(monkeypatch):
     for key in ("prefill_s", "decode_step_ms", "verify8_ms", "peak_rss_mb", "prefill_compile_s"):
         assert row[key] > 0, key
     assert row["verify8_over_decode"] == pytest.approx(row["verify8_ms"] / row["decode_step_ms"])
+
+
+def test_long_prompt_sets(tmp_path):
+    """train.prompts.long_prompts on the shipped code tokenizer: long code is exactly L tokens ending at a def
+    line; long chat is a module and a question in the chat template, at most L tokens; bad kinds refused."""
+    import json
+    from tokenizers import Tokenizer
+
+    from train import prompts
+    from train.zoo import REPO
+    tok = Tokenizer.from_file(str(REPO / "models/tokenizer/tokenizer.json"))
+    code = prompts.long_prompts("long-code", tok, 1024, 2)
+    assert len(code) == 2 and all(len(p["ids"]) == 1024 for p in code)
+    assert all(tok.decode(p["ids"][-24:]).rstrip().endswith(":") for p in code)  # the def line
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.role }}>"
+                                                                "{{ m.content }}{% endfor %}<assistant>"}))
+    chat = prompts.long_prompts("long-chat", tok, 1024, 2, chat_model_dir=str(tmp_path))
+    assert len(chat) == 2 and all(900 < len(p["ids"]) <= 1024 for p in chat)
+    assert "What does the function" in tok.decode(chat[0]["ids"])
+    with pytest.raises(ValueError, match="unknown long prompt kind"):
+        prompts.long_prompts("long", tok, 1024, 1)
+    with pytest.raises(ValueError, match="chat_model_dir"):
+        prompts.long_prompts("long-chat", tok, 1024, 1)

@@ -480,6 +480,9 @@ def zoo_setup(args):
     drafters["ngram"] = NgramDrafter()
     if args.kind == "chat":
         prompts = chat_prompts(args.target, tok, args.chat_prompts, args.prompts)
+    elif args.kind in prompt_sets.LONG_KINDS:
+        prompts = [p["ids"] for p in prompt_sets.long_prompts(args.kind, tok, args.context, args.prompts,
+                                                                split=args.split, chat_model_dir=args.target)]
     else:
         prompts = [p["ids"] for p in prompt_sets.prompt_set(args.kind, tok, args.prompts, split=args.split,
                                                                 context_tokens=args.context)]
@@ -632,9 +635,11 @@ def main(argv=None):
                     help="a verify-width profile of a TAPS tree (python -m tools.profile_widths --tree ...select=taps): "
                          "the TAPS rows choose their verify budget per round")
     ap.add_argument("--plot-budgets", action="store_true", help="also plot tau and tokens/s against the node budget")
-    ap.add_argument("--kind", default="functions", choices=["functions", "docstrings", "tests", "humaneval", "chat"],
+    ap.add_argument("--kind", default="functions",
+                    choices=["functions", "docstrings", "tests", "humaneval", "chat", "long-code", "long-chat"],
                     help="code prompts cut from the test split, or 'chat': --chat-prompts rendered with the target's "
-                         "chat template")
+                         "chat template, or 'long-code' / 'long-chat': --context tokens each (train.prompts.long_prompts: "
+                         "a module up to a def line; a module and a question about it in the chat template)")
     ap.add_argument("--split", default="test", choices=["test", "validation"],
                     help="the corpus split code prompts are cut from (default test; 'validation' for a drafter's "
                          "in-loop agreement on the target's own continuations of validation prompts)")

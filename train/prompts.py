@@ -123,3 +123,57 @@ def long_context_prompts(tokenizer, lengths=(1024, 2048, 4096, 8192), per_length
     encoded = [(f.path, [EOT_ID] + tokenizer.encode(corpus.read_text(root, f)).ids) for f in files]
     encoded.sort(key=lambda x: -len(x[1]))
     return {L: [{"path": p, "ids": ids[:L]} for p, ids in encoded if len(ids) >= L][:per_length] for L in lengths}
+
+
+LONG_KINDS = ("long-code", "long-chat")
+_DEF = re.compile(r"^[ \t]*def ([A-Za-z_]\w*)\(.*\):[ \t]*\n", re.M)
+
+
+def long_prompts(kind: str, tokenizer, length: int, n: int, *, split: str = "test", chat_model_dir: str | None = None,
+                 manifest: corpus.Manifest | None = None, root: Path | None = None) -> list[dict]:
+    """`n` prompts of about `length` tokens (issue 64), deterministic, from the longest files of `split`
+    (the test split by default; "validation" to tune on), one per file:
+
+    - "long-code": a module up to and including a `def` line, the model to write the body: the last
+      `length` tokens before the first `def` whose prefix holds at least that many (exactly `length` ids);
+    - "long-chat": a document and a question about it in the model's chat template
+      (`specjax.io.chat.render_chat(chat_model_dir, ...)`): the first tokens of a module (cut at a line end)
+      and "What does the function `NAME` in this module do, and how is it used?", NAME a function the
+      kept text defines; at most `length` ids.
+    Returns [{"path", "ids", "kind", "length"}]; fewer than `n` when too few files are that long."""
+    if kind not in LONG_KINDS:
+        raise ValueError(f"unknown long prompt kind {kind!r}; choose from {', '.join(LONG_KINDS)}")
+    if kind == "long-chat" and chat_model_dir is None:
+        raise ValueError("long-chat prompts need chat_model_dir (a model directory with a chat template)")
+    manifest = manifest if manifest is not None else corpus.read_manifest()
+    root = Path(root) if root is not None else corpus.stdlib_root()
+    out = []
+    for f in corpus.long_context_files(manifest, n=max(8 * n, 64), split=split):
+        text = corpus.read_text(root, f)
+        if kind == "long-code":
+            for m in _DEF.finditer(text):
+                ids = [EOT_ID] + tokenizer.encode(text[:m.end()]).ids
+                if len(ids) >= length:
+                    out.append({"path": f.path, "ids": ids[-length:], "kind": kind, "length": length})
+                    break
+        else:
+            from specjax.io.chat import render_chat
+            question = "What does the function `{}` in this module do, and how is it used?"
+            overhead = len(tokenizer.encode(render_chat(chat_model_dir, [
+                {"role": "user", "content": "```python\n\n```\n\n" + question.format("x" * 24)}])).ids)
+            doc_ids = tokenizer.encode(text).ids
+            if len(doc_ids) < length - overhead:
+                continue
+            doc = tokenizer.decode(doc_ids[:length - overhead], skip_special_tokens=False)
+            doc = doc[:doc.rfind("\n") + 1]  # whole lines
+            names = [m.group(1) for m in _DEF.finditer(doc) if not m.group(1).startswith("_")]
+            if not names:
+                continue
+            messages = [{"role": "user", "content": f"```python\n{doc}```\n\n" + question.format(names[len(names) // 2])}]
+            ids = tokenizer.encode(render_chat(chat_model_dir, messages)).ids
+            if len(ids) > length:
+                continue
+            out.append({"path": f.path, "ids": ids, "kind": kind, "length": length})
+        if len(out) == n:
+            break
+    return out
