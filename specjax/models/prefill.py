@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import attention as attention_lib
+from specjax.models import kvcache
 
 PREFILL_CHUNK = 512  # tokens per chunk; a prompt bucket above it is a multiple of it
 
@@ -53,8 +54,12 @@ def prefill(fam, model, tokens_BxP, lengths_B, cache, hidden_layers=(), *, chunk
         raise ValueError(f"a chunked prefill needs the prompt block ({P}) padded to a multiple of {chunk}")
     n = P // chunk
     lengths_B = jnp.asarray(lengths_B, jnp.int32)
-    first = fam.prefill(model, tokens_BxP[:, :chunk], jnp.minimum(lengths_B, chunk), cache, hidden_layers)
     kw = {"attention": attention_lib.BLOCKWISE} if getattr(fam, "CHUNK_ATTENTION", False) else {}
+    if kw:  # the first chunk too: an empty cache (length 0), then `extend` as every later chunk
+        first = fam.extend(model, tokens_BxP[:, :chunk], jnp.minimum(lengths_B, chunk),
+                           kvcache.set_length(cache, jnp.zeros((B,), jnp.int32)), hidden_layers, **kw)
+    else:  # a hybrid target's prefill resets its recurrent state
+        first = fam.prefill(model, tokens_BxP[:, :chunk], jnp.minimum(lengths_B, chunk), cache, hidden_layers)
 
     def last_of(logits_BxCxV, start):  # the row's last prompt position, where it falls in this chunk
         i_B = lengths_B - 1 - start
