@@ -322,12 +322,16 @@ def test_bench_long_smoke(tmp_path):
     from tools import bench_long
     out = tmp_path / "long"
     assert bench_long.main(["--smoke", "--drafters", "lm", "--lengths", "160,512", "--variants", "fold (both)",
-                            "--tree-lm", "chain=2", "--out", str(out)]) == 0
+                            "--tree-lm", "chain=2", "--ngram", "--switch", "--tree-ngram", "chain=3",
+                            "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     md = out.with_suffix(".md").read_text()
-    assert [(r["length"], r["variant"]) for r in data["rows"]] == [(160, "fold (both)")]
+    assert [(r["drafter"], r["length"], r["variant"]) for r in data["rows"]] == [
+        ("ngram", 160, "plain"), ("lm", 160, "fold (both)"), ("ngram|lm", 160, "plain"), ("ngram|lm", 160, "fold (both)")]
     for r in data["rows"]:
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["mismatch"] == 0 and r["exact"] + r["near_tie"] == 2
-        assert r["n_far"] > 0 and 0.0 < r["far_mass"] < 1.0 and r["entropy"] > 0 and abs(r["attn_total"] - 1) < 1e-4
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["decode_speedup"] > 0
+    (r,) = [r for r in data["rows"] if r["drafter"] == "lm"]
+    assert r["n_far"] > 0 and 0.0 < r["far_mass"] < 1.0 and r["entropy"] > 0 and abs(r["attn_total"] - 1) < 1e-4
     assert "| lm | 160 |" in md and "context 512 skipped: beyond the target's max_position_embeddings (300)" in md
     assert out.with_suffix(".png").stat().st_size > 0

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,8 @@ import specjax
 from specjax.models import fold as fold_lib
 from specjax.engine import fold_diagnostics
 from specjax.models.fold import FoldConfig
+from specjax.drafters import NgramDrafter
+from specjax.drafters.composite.treegraft import Switch
 from tools.harness import (REPO, Column, batches, generation_row, greedy_check, run_meta, smoke_models,
                            time_generation, write_outputs)
 
@@ -93,15 +96,22 @@ def zoo_setup(args):
     from specjax.io.checkpoint import load_tokenizer
     from specjax.drafters import load_drafter
     from train import prompts as prompt_sets
-    target = specjax.load_model(args.target)
+    target = specjax.load_model(args.target, weights=args.weights)
     tok = load_tokenizer(args.target)
     drafters = {}
     for name, path in (("lm", args.draft), ("feature", args.feature)):
         if path and os.path.isdir(path):
-            drafters[name] = load_drafter(path, target, target_path=args.target, tuned=False)
+            drafters[name] = load_drafter(path, target, target_path=args.target, tuned=args.tuned)
+            tuned_tree = getattr(drafters[name], "default_tree", None) if args.tuned else None
+            if tuned_tree is not None and not args.tree_given[name]:
+                args.trees[name] = str(tuned_tree)
 
     def prompts(split):
-        return prompt_sets.long_context_prompts(tok, tuple(args.lengths), per_length=args.prompts, split=split)
+        if args.kind == "long":
+            return prompt_sets.long_context_prompts(tok, tuple(args.lengths), per_length=args.prompts, split=split)
+        # long code / long chat (issue 64): each prompt already fits L with the new tokens and the draft depth
+        return {L: prompt_sets.long_prompts(args.kind, tok, L - args.new_tokens - DEPTH_SLACK, args.prompts, split=split,
+                                            chat_model_dir=args.target) for L in args.lengths}
 
     return target, drafters, prompts
 
@@ -125,6 +135,44 @@ def timed(target, groups, new_tokens, repeats, drafter=None, tree=None, warm=Tru
         kw.update(drafters=[drafter], tree=tree)
     results, times = time_generation(target, groups, repeats, warmup="first" if warm else None, **kw)
     return generation_row(results, times, speculative=drafter is not None, drafter=drafter)
+
+
+def prefill_seconds(target, groups, repeats: int = 2) -> float:
+    """Seconds of the target's prefill alone (its first token) over all `groups`, warm, median of `repeats`:
+    what each generation spends before decoding (`specjax.models.prefill`, as `generate` runs it)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from specjax.engine import loop as engine
+    from specjax.models import family
+    from specjax.models import prefill as prefill_lib
+    fam = family(target)
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def run(state, tokens, lengths):
+        m = nnx.merge(graphdef, state)
+        out = prefill_lib.prefill(fam, m, tokens, lengths, fam.init_cache(m, tokens.shape[0], tokens.shape[1] + 16))
+        return prefill_lib.prompt_logits(out.logits, lengths).argmax(-1)
+
+    batches_ = [engine.prepare_prompts(g, target.config.vocab_size, 1) for g in groups]
+    jax.block_until_ready(run(state, jnp.asarray(batches_[0].tokens), jnp.asarray(batches_[0].lengths)))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for b in batches_:
+            jax.block_until_ready(run(state, jnp.asarray(b.tokens), jnp.asarray(b.lengths)))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def with_decode_speed(row: dict, prefill_s: float, n_rows: int) -> dict:
+    """Decode tokens/s: the tokens after each row's first (the prefill's) over the pass's seconds less the
+    target's prefill (a drafter's own prefill stays in: it is part of its cost)."""
+    row["prefill_s"] = prefill_s
+    row["decode_tokens_per_s"] = (row["tokens"] - n_rows) / max(row["seconds"] - prefill_s, 1e-9)
+    return row
 
 
 def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:
@@ -157,7 +205,9 @@ def tune(target, drafters, prompt_sets, args, base: FoldConfig) -> dict:
 COLUMNS = [Column("drafter", "drafter", right=False), Column("context L", "length"),
            Column("prompt tokens", "prompt_tokens"), Column("variant", "variant", right=False),
            Column("tau", "tau", "{:.3f}"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
-           Column("speedup vs AR", "speedup", "{:.2f}x"), Column("attn entropy (nats)", "entropy", "{:.3f}"),
+           Column("speedup vs AR", "speedup", "{:.2f}x"),
+           Column("decode tokens/s", "decode_tokens_per_s", "{:.1f}"), Column("decode speedup", "decode_speedup", "{:.2f}x"),
+           Column("attn entropy (nats)", "entropy", "{:.3f}"),
            Column("far-key mass", "far_mass", "{:.3f}"), Column("n_far at first draft", "n_far"),
            Column("greedy check (exact / near-tie / mismatch)",
                   lambda r: f"{r['exact']} / {r['near_tie']} / {r['mismatch']}", right=False)]
@@ -165,21 +215,29 @@ COLUMNS = [Column("drafter", "drafter", right=False), Column("context L", "lengt
 
 def plot_long(plt, rows, meta):
     names = sorted({r["drafter"] for r in rows}) or ["none"]
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        for v in VARIANTS:
-            pts = sorted((r["length"], r["tau"]) for r in rows if r["drafter"] == name and r["variant"] == v)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=v)
-        ax.set_xscale("log", base=2)
-        ticks = sorted({r["length"] for r in rows})
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("tau (mean acceptance length)")
-        ax.set_title(f"{name} drafter")
-        ax.legend()
-    fig.suptitle(f"FOLD: tau against context length — {meta['setup']}")
+    speed = any(r.get("decode_tokens_per_s") for r in rows)
+    fig, axes = plt.subplots(2 if speed else 1, len(names), figsize=(5.5 * len(names), 8 if speed else 4), squeeze=False)
+    for i, (key, label) in enumerate([("tau", "tau (mean acceptance length)"),
+                                      ("decode_tokens_per_s", "decode tokens/s")][:2 if speed else 1]):
+        for ax, name in zip(axes[i], names):
+            for v in VARIANTS:
+                pts = sorted((r["length"], r[key]) for r in rows if r["drafter"] == name and r["variant"] == v
+                             and r.get(key) is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=v)
+            if key != "tau":  # AR at each length, for reference
+                ar = sorted({(r["length"], r["ar_decode_tokens_per_s"]) for r in rows if r.get("ar_decode_tokens_per_s")})
+                if ar:
+                    ax.plot(*zip(*ar), marker="x", linestyle="--", color="gray", label="AR")
+            ax.set_xscale("log", base=2)
+            ticks = sorted({r["length"] for r in rows})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{name}")
+            ax.legend()
+    fig.suptitle(f"Long contexts: tau and decode speed against context length — {meta['setup']}")
     fig.tight_layout()
     return fig
 
@@ -189,7 +247,9 @@ def write_long_outputs(rows, notes, meta, out: Path) -> Path:
     intro = [f"Test split; {meta['n_prompts']} prompts per length, {meta['new_tokens']} new tokens each, batch "
              f"{meta['batch']}, greedy; median of {meta['repeats']} timed repeats "
              f"{'after a warm-up' if meta.get('warmup', True) else 'without a warm-up (tokens/s include compilation)'}; "
-             f"float32 on {meta['device']}; load average {meta['load_avg']:.2f}. Context L = prompt + generated "
+             f"{meta.get('weights', 'float32')} weights on {meta['device']}, prompts: {meta.get('kind', 'long')}; load "
+             f"average {meta['load_avg']:.2f}. Decode tokens/s: the tokens after each row's first over the pass less the "
+             f"target's prefill (timed alone). Context L = prompt + generated "
              f"tokens + draft depth <= L. Speedup is over our autoregressive loop at the same length, same process.",
              "", f"FOLD parameters: {meta['params']}"]
     if notes:
@@ -229,8 +289,20 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (smoke 12)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--tree-lm", default=TREES["lm"])
-    ap.add_argument("--tree-feature", default=TREES["feature"])
+    ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="the target's projection weights (load_model(weights=)); bf16 / int8 with the batch-invariant "
+                         "attention, so every row equals AR at the same weights")
+    ap.add_argument("--kind", default="long", choices=("long", "long-code", "long-chat"),
+                    help="long: the start of the longest test files (cut to L); long-code / long-chat: "
+                         "train.prompts.long_prompts (a module up to a def line; a module and a question, chat template)")
+    ap.add_argument("--tuned", action="store_true", help="load each drafter at its shipped settings (tuned.json: draft "
+                    "vocabulary, draft weights, and its tree unless --tree-lm / --tree-feature is given)")
+    ap.add_argument("--ngram", action="store_true", help="also the n-gram drafter's row (--tree-ngram)")
+    ap.add_argument("--switch", action="store_true",
+                    help="also the Switch (ngram|DRAFTER, min_match 3) over each drafter, plain and with FOLD")
+    ap.add_argument("--tree-ngram", default="chain=8")
+    ap.add_argument("--tree-lm", default=None, help=f"default {TREES['lm']} (--tuned: the drafter's tuned tree)")
+    ap.add_argument("--tree-feature", default=None, help=f"default {TREES['feature']} (--tuned: the drafter's tuned tree)")
     ap.add_argument("--sinks", type=int, default=None, help="default 4 (smoke 2)")
     ap.add_argument("--window", type=int, default=None, help="default 256 (smoke 32); --tune chooses it")
     ap.add_argument("--lambda", dest="lam", type=float, default=None, help="default 0.5; --tune chooses it")
@@ -261,7 +333,8 @@ def main(argv=None):
     args.new_tokens = args.new_tokens or (12 if smoke else 64)
     if smoke:
         args.repeats = min(args.repeats, 1)
-    args.trees = {"lm": args.tree_lm, "feature": args.tree_feature}
+    args.tree_given = {"lm": args.tree_lm is not None, "feature": args.tree_feature is not None}
+    args.trees = {"lm": args.tree_lm or TREES["lm"], "feature": args.tree_feature or TREES["feature"]}
     variants = [v.strip() for v in args.variants.split(",")]
     if any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
@@ -328,28 +401,44 @@ def main(argv=None):
         groups = groups_of(prompts, args.batch)
         flat = [p for g in groups for p in g]
         print(f"[bench_long] L={L}: autoregressive ...", file=sys.stderr, flush=True)
-        ar = timed(target, groups, args.new_tokens, args.repeats, warm=not args.no_warmup)
+        pre_s = prefill_seconds(target, groups)
+        ar = with_decode_speed(timed(target, groups, args.new_tokens, args.repeats, warm=not args.no_warmup), pre_s, len(flat))
+
+        def add(name, v, d, tree, cfg, diag_drafter):
+            print(f"[bench_long] L={L}: {name} {v} ...", file=sys.stderr, flush=True)
+            r = with_decode_speed(timed(target, groups, args.new_tokens, args.repeats, d, tree, warm=not args.no_warmup),
+                                  pre_s, len(flat))
+            diag = (fold_diagnostics.attention_diagnostics(target, diag_drafter, flat[: min(len(flat), 2)])
+                    if diag_drafter is not None else {"entropy": None, "far_mass": None, "total": None})
+            vcfg = variant_config(v, cfg) if cfg is not None else None
+            rows.append({"drafter": name, "length": L, "prompt_tokens": len(flat[0]), "variant": v,
+                         "fold": None if vcfg is None else vcfg.describe(), "tau": r["tau"],
+                         "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / ar["tokens_per_s"],
+                         "ar_tokens_per_s": ar["tokens_per_s"], "decode_tokens_per_s": r["decode_tokens_per_s"],
+                         "decode_speedup": r["decode_tokens_per_s"] / ar["decode_tokens_per_s"],
+                         "ar_decode_tokens_per_s": ar["decode_tokens_per_s"], "prefill_s": pre_s,
+                         "entropy": diag["entropy"], "far_mass": diag["far_mass"], "attn_total": diag["total"],
+                         "n_far": max(0, len(flat[0]) - cfg.window - cfg.sinks) if cfg is not None else None,
+                         **{k: v for k, v in greedy_check(target, flat, ar["sequences"], r["sequences"]).items()}})
+
+        if args.ngram:
+            add("ngram", "plain", NgramDrafter(), args.tree_ngram, None, None)
         for name, drafter in drafters.items():
             cfg = per_drafter[name]
             for v in variants:
-                print(f"[bench_long] L={L}: {name} {v} ...", file=sys.stderr, flush=True)
-                vcfg = variant_config(v, cfg)
-                d = drafter.with_fold(vcfg)
-                r = timed(target, groups, args.new_tokens, args.repeats, d, args.trees[name], warm=not args.no_warmup)
-                diag = fold_diagnostics.attention_diagnostics(target, drafter.with_fold(diagnostic_config(v, cfg)),
-                                                      flat[: min(len(flat), 2)])
-                n_far = max(0, len(flat[0]) - cfg.window - cfg.sinks)
-                rows.append({"drafter": name, "length": L, "prompt_tokens": len(flat[0]), "variant": v,
-                             "fold": None if vcfg is None else vcfg.describe(), "tau": r["tau"],
-                             "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / ar["tokens_per_s"],
-                             "ar_tokens_per_s": ar["tokens_per_s"], "entropy": diag["entropy"],
-                             "far_mass": diag["far_mass"], "attn_total": diag["total"], "n_far": n_far,
-                             **{k: v for k, v in greedy_check(target, flat, ar["sequences"], r["sequences"]).items()}})
+                add(name, v, drafter.with_fold(variant_config(v, cfg)), args.trees[name], cfg,
+                    drafter.with_fold(diagnostic_config(v, cfg)))
+            if args.switch:  # the Switch over this drafter, plain and with FOLD on its model part
+                for v in ("plain", "fold (both)"):
+                    sw = Switch(NgramDrafter(), drafter.with_fold(variant_config(v, cfg)), model_tree=args.trees[name],
+                                min_match=3)
+                    add(f"ngram|{name}", v, sw, args.tree_ngram, cfg, None)
         Path(str(out) + ".partial.json").write_text(json.dumps(rows) + "\n")  # a stopped run keeps its lengths
     meta = run_meta("bench_long", argv, setup="smoke: tiny random models" if smoke else f"zoo: {Path(args.target).name}",
                     n_prompts=args.prompts, new_tokens=args.new_tokens, batch=args.batch, repeats=args.repeats,
                     params="; ".join(f"{k}: {c.describe()}" for k, c in per_drafter.items()) + f" — {params_src}",
-                    warmup=not args.no_warmup, trees={k: args.trees[k] for k in drafters})
+                    warmup=not args.no_warmup, trees={k: args.trees[k] for k in drafters}, weights=args.weights,
+                    kind=args.kind)
     md = write_long_outputs(rows, notes, meta, out)
     Path(str(out) + ".partial.json").unlink(missing_ok=True)
     print(md.read_text())
