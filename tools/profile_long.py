@@ -86,29 +86,24 @@ def profile_one(model, prompt_ids: list[int], *, repeats: int, steps: int) -> di
     row["prefill_tokens_per_s"] = L / row["prefill_s"]
     row["ttft_s"] = row["prefill_s"]  # the first token is the prefill's argmax: nothing else runs before it
     tok, cache = first
-    t = time.perf_counter()
-    tok, cache = decode(state, tok, cache)  # compiles, then runs once
-    jax.block_until_ready(tok)
-    row["decode_compile_s"] = time.perf_counter() - t
-    ts = []
-    for _ in range(steps):
-        s = time.perf_counter()
-        tok, cache = decode(state, tok, cache)
-        jax.block_until_ready(tok)
-        ts.append(time.perf_counter() - s)
-    row["decode_step_ms"] = 1e3 * float(np.median(ts))
+
+    def timed_steps(fn, x, cache, feed_back: bool):
+        """Compile seconds (the first call), then the median ms of `steps` calls, the donated cache fed back
+        (and the output as the next input when `feed_back`: decoding's next token)."""
+        t = time.perf_counter()
+        y, cache = fn(state, x, cache)
+        jax.block_until_ready(y)
+        compile_s, ts = time.perf_counter() - t, []
+        for _ in range(steps):
+            s = time.perf_counter()
+            y, cache = fn(state, y if feed_back else x, cache)
+            jax.block_until_ready(y)
+            ts.append(time.perf_counter() - s)
+        return compile_s, 1e3 * float(np.median(ts)), y, cache
+
+    row["decode_compile_s"], row["decode_step_ms"], tok, cache = timed_steps(decode, tok, cache, True)
     nodes = jnp.broadcast_to(tok[:, None], (1, VERIFY_NODES)).astype(jnp.int32)
-    t = time.perf_counter()
-    out, cache = verify(state, nodes, cache)
-    jax.block_until_ready(out)
-    row["verify_compile_s"] = time.perf_counter() - t
-    ts = []
-    for _ in range(steps):
-        s = time.perf_counter()
-        out, cache = verify(state, nodes, cache)
-        jax.block_until_ready(out)
-        ts.append(time.perf_counter() - s)
-    row[f"verify{VERIFY_NODES}_ms"] = 1e3 * float(np.median(ts))
+    row["verify_compile_s"], row[f"verify{VERIFY_NODES}_ms"], _, cache = timed_steps(verify, nodes, cache, False)
     row[f"verify{VERIFY_NODES}_over_decode"] = row[f"verify{VERIFY_NODES}_ms"] / row["decode_step_ms"]
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
