@@ -93,7 +93,8 @@ def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens
                      temperature: float = 1.0, first_seed: int = 1) -> tuple[list[str], int]:
     """Up to `n` distinct user questions the target writes itself (Magpie), and how many it sampled:
     batches of the user-turn prefix at `temperature` (seeds first_seed, first_seed + 1, ...) until `n`
-    are kept or 4n drawn."""
+    are kept or 4n drawn. A question is at most `max_tokens` long and short enough that, asked in the
+    chat template, it fits the model's context (`max_position_embeddings`)."""
     if first_seed < 1:
         raise ValueError(f"questions: the first seed must be >= 1, got {first_seed}")
     import specjax
@@ -101,6 +102,12 @@ def sample_questions(model, tok, target_dir: str, n: int, batch: int, max_tokens
     before, after = user_turn_prefix(target_dir)
     prefix = [EOT_ID] + tok.encode(before).ids
     end_id = tok.encode(after).ids[0]  # the token that closes the turn (e.g. <|im_end|>)
+    from specjax.io.chat import render_chat
+    overhead = 3 + len(tok.encode(render_chat(target_dir, [{"role": "user", "content": ""}])).ids)
+    max_tokens = min(max_tokens, model.config.max_position_embeddings - overhead)
+    if max_tokens < 4:
+        raise ValueError(f"questions: the model's context ({model.config.max_position_embeddings}) leaves no room "
+                         f"for a question in its chat template ({overhead} tokens)")
     kept, seen, drawn, seed = [], set(), 0, first_seed - 1
     while len(kept) < n and drawn < 4 * n:
         seed += 1
@@ -139,6 +146,9 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
     asked = [[EOT_ID] + tok.encode(render_chat(target_dir, [{"role": "user", "content": q}])).ids for q in questions]
     docs, generated, seen, dropped = [], {"code": 0, "chat": 0, "questions": 0}, set(), 0
     jobs = [("code", p) for p in code] + [("chat", p) for p in chat] + [("questions", p) for p in asked]
+    context = model.config.max_position_embeddings
+    too_long = sum(len(p) > context for _, p in jobs)  # the engine refuses them; counted, not generated
+    jobs = [(kind, p) for kind, p in jobs if len(p) <= context]
     for i in tqdm(range(0, len(jobs), batch), desc="continuations", unit="batch"):
         part = jobs[i:i + batch]
         runs = [specjax.generate(model, [p for _, p in part], max_new_tokens=new_tokens, capacity=1024)]
@@ -162,7 +172,7 @@ def build(target_dir: str, out: Path, n_code: int, n_chat: int, new_tokens: int,
                "generated_tokens": generated, "prompt_tokens": int(sum(len(p) for _, p in jobs)),
                "stream_tokens": int(stream.size), "new_tokens": new_tokens, "greedy": True,
                "samples_per_prompt": samples, "temperature": temperature if samples else None,
-               "duplicates_dropped": dropped, "weights": weights,
+               "duplicates_dropped": dropped, "prompts_longer_than_context": too_long, "weights": weights,
                "seconds": round(time.perf_counter() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
