@@ -27,6 +27,12 @@ it (rest_s) and adds it to every width, the DSpark scheduler's and TAPS's profil
     python -m tools.profile_widths --adaptive --drafter models/code-draft --tree depth=5,topk=4,nodes=16
                                               # AdaptiveSpec's widths (specjax.drafters.composite.adaptive) for any drafter
 
+    python -m tools.profile_widths --packed models/smollm2-135m-instruct-feature --target models/smollm2-135m-instruct \
+        --weights int8 --tree chain=2 --batch 1,2,4,8 --out bench/packed/profile_smollm2_int8.json
+                                              # packed verification's cost table (the goodput budget,
+                                              # specjax.spec.packing): round seconds per packed budget T
+    python -m tools.profile_widths --packed smoke --smoke --batch 2 --out /tmp/p.json
+
 Writes JSON (default bench/verify_profile_<target name>.json), read by `specjax.spec.profile.costs_from_profile`:
     {"cpu", "device", "target", "target_sha256", "drafter", "tree", "context", "command",
      "rows": {"<B>": {"widths": [...], "round_s": [...], "draft_s": x, "verify_s": [...]}},
@@ -46,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.engine import loop as engine
-from specjax.spec import tree as tree_lib
+from specjax.spec import packing as packing_lib, tree as tree_lib
 from specjax.drafters.base import DraftContext
 from specjax.models import family
 from specjax.spec.profile import default_profile_name
@@ -201,6 +207,85 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
     return {w: median_s(lambda run=make(w): run(state, cache), repeats) / loops for w in widths}
 
 
+def verify_packed_seconds(target, layers, prompts, num_nodes: int, budgets, repeats: int = 5,
+                          loops: int = LOOPS) -> dict[int, float]:
+    """Seconds of the target's packed verification forward (`transformer.forward(pack=)`, design §19)
+    with T live nodes, per compiled budget T: the rows' chains of N nodes cut to T nodes in all, as
+    even as the rows allow (row b keeps ceil or floor of T / B), on a cache holding each prompt."""
+    fam = family(target)
+    graphdef, state = nnx.split(target)
+    B, N = len(prompts), num_nodes
+    P = max(len(p) for p in prompts)
+    toks = jnp.asarray(prompts, jnp.int32)
+    lens = jnp.full((B,), P, jnp.int32)
+
+    @jax.jit
+    def prefill(state, toks, lens):
+        model = nnx.merge(graphdef, state)
+        return fam.prefill(model, toks, lens, fam.init_cache(model, B, P + N + 1)).cache
+
+    cache = prefill(state, toks, lens)
+    rng = np.random.default_rng(1)
+    tree = tree_lib.chain_tree(toks[:, -1], jnp.asarray(rng.integers(3, target.config.vocab_size, (B, N - 1)), jnp.int32))
+    mask = tree_lib.ancestor_mask(tree, N - 1)
+
+    def make(T):
+        n_B = np.minimum(T // B + (np.arange(B) < T % B), N)
+        live = jnp.asarray(np.arange(N)[None] < n_B[:, None])
+
+        @jax.jit
+        def run(state, cache):
+            model = nnx.merge(graphdef, state)
+
+            def body(i, x):
+                c, acc = x
+                out = fam.forward(model, tree.tokens + i * 0, tree_lib.positions(tree, c.length), c, mask,
+                                  hidden_layers=layers, parents=tree.parents, pack=packing_lib.pack_index(live, T))
+                acc = acc + out.logits[0, 0, 0] + sum(h[0, 0, 0].astype(jnp.float32) for h in out.hidden)
+                return fam.release(out.cache), acc
+
+            return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
+        return run
+
+    return {T: median_s(lambda run=make(T): run(state, cache), repeats) / loops for T in budgets}
+
+
+def packed_rows(target, drafter, batches, spec, context: int, repeats: int, loops: int = LOOPS, log=print,
+                free: bool = True) -> dict:
+    """The goodput budget's cost table (`specjax.spec.packing.load_packing`): {str(B): {"budgets",
+    "round_s", "draft_s", "verify_s", "rest_s"}} per batch size. round_s[T] = draft + packed verify at
+    T + the rest of a round (a whole round with every row's tree verified, minus its draft and its
+    verification forward: the walk, commits, emission), non-decreasing in T."""
+    rows = {}
+    for B in batches:
+        prompts = random_prompts(target.config.vocab_size, B, context, seed=B)
+        budgets = packing_lib.packed_budgets(B, spec.num_nodes, engine.min_rows(target))
+        draft = draft_seconds(target, drafter, prompts, spec, repeats, loops)
+        ver = verify_packed_seconds(target, tuple(drafter.target_layers), prompts, spec.num_nodes, budgets, repeats, loops)
+        full = verify_seconds(target, tuple(drafter.target_layers), prompts, spec, (spec.num_nodes,), repeats, loops)
+        rest = max(round_seconds(target, drafter, prompts, spec, repeats, loops) - draft - full[spec.num_nodes], 0.0)
+        round_s = np.maximum.accumulate([draft + ver[T] + rest for T in budgets]).tolist()
+        rows[str(B)] = {"budgets": list(budgets), "round_s": round_s, "draft_s": draft,
+                        "verify_s": [ver[T] for T in budgets], "rest_s": rest,
+                        "unpacked_verify_s": full[spec.num_nodes]}
+        log(f"[profile_widths] packed, batch {B}: draft {1000 * draft:.2f} ms, rest {1000 * rest:.2f} ms, verify "
+            + ", ".join(f"T={T} {1000 * ver[T]:.2f}" for T in budgets)
+            + f" ms (unpacked {B}x{spec.num_nodes}: {1000 * full[spec.num_nodes]:.2f} ms)")
+        if free:
+            jax.clear_caches()
+    return rows
+
+
+def packed_table(profile: dict) -> list[str]:
+    lines = [f"packed verification profile: {profile['target']} ({profile.get('weights', 'float32')}) + "
+             f"{profile['drafter']}, tree {profile['tree']}, context {profile['context']} ({profile['cpu']})", "",
+             "| batch | draft ms | rest ms | unpacked B x N verify ms | packed verify ms at T |", "|---:|---:|---:|---:|---|"]
+    for b, r in profile["packed"].items():
+        lines.append(f"| {b} | {1000 * r['draft_s']:.2f} | {1000 * r['rest_s']:.2f} | {1000 * r['unpacked_verify_s']:.2f} | "
+                     + ", ".join(f"{T}: {1000 * v:.2f}" for T, v in zip(r["budgets"], r["verify_s"])) + " |")
+    return lines
+
+
 def profile_rows(target, drafter, batches, spec, widths, context: int, repeats: int, loops: int = LOOPS,
                  log=print, whole_round: bool = False, free: bool = True) -> dict:
     """{str(B): {"widths", "round_s", "draft_s", "verify_s"[, "rest_s"]}} for each batch size.
@@ -290,9 +375,16 @@ def main(argv=None) -> dict:
                     help="TreeGraft's action cost table instead (train/value_system.py --costs): a stack CHEAP+STRONG "
                          "with its options, e.g. 'ngram+models/code-target-feature;strong_tree=chain=5', verify --tree")
     ap.add_argument("--out", default=None, help="JSON file (default bench/verify_profile_<target name>.json)")
+    ap.add_argument("--packed", default=None, metavar="STACK",
+                    help="the goodput budget's packed cost table instead (specjax.spec.packing.load_packing): a drafter "
+                         "stack in specjax.drafters.compose's syntax, e.g. models/smollm2-135m-instruct-feature, and --tree")
+    ap.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="the target's weights with --packed (default float32)")
     args = ap.parse_args(argv)
     if args.treegraft:
         return _treegraft_main(ap, args, argv)
+    if args.packed:
+        return _packed_main(ap, args, argv)
     try:
         batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
     except ValueError:
@@ -364,6 +456,46 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2) + "\n")
     print("\n".join(table(profile)))
+    print(f"wrote {out}")
+    return profile
+
+
+def _packed_main(ap, args, argv) -> dict:
+    import specjax
+    from specjax.drafters import LMDrafter, compose
+    from specjax.io.checkpoint import weights_sha256
+    batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
+    if not args.out:
+        ap.error("--packed needs --out")
+    if args.smoke:
+        cfg, target, draft = smoke_models()
+        drafter, sha, name = LMDrafter(draft), None, "smoke"
+        args.context, args.repeats, args.loops = min(args.context, 64), min(args.repeats, 2), min(args.loops, 4)
+    else:
+        target = specjax.load_model(args.target, weights=args.weights)
+        try:
+            stack = compose.parse_stack(args.packed)
+            drafter = compose.build(stack, compose.load_parts(stack.parts, target, target_path=args.target))
+        except ValueError as e:
+            ap.error(f"--packed {args.packed}: {e}")
+        sha, name = weights_sha256(args.target), repo_relative(args.target)
+    tree = args.tree or drafter.default_tree
+    try:
+        spec = drafter.resolve_tree(tree_lib.parse_tree_spec(tree))
+        drafter.check_tree(spec, "greedy")
+    except ValueError as e:
+        ap.error(f"--tree {tree}: {e}")
+    rows = packed_rows(target, drafter, batches, spec, args.context, args.repeats, args.loops,
+                       log=lambda s: print(s, file=sys.stderr, flush=True), free=not args.smoke)
+    meta = run_meta("profile_widths", argv)
+    profile = {"cpu": meta["cpu"], "device": meta["device"], "backend": meta["backend"], "target": name,
+               "target_sha256": sha, "weights": args.weights, "drafter": args.packed or "smoke", "tree": tree,
+               "context": args.context, "repeats": args.repeats, "loops": args.loops, "command": meta["command"],
+               "packed": rows, "meta": meta}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    print("\n".join(packed_table(profile)))
     print(f"wrote {out}")
     return profile
 

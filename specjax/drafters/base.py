@@ -115,6 +115,9 @@ class Proposal:
     tree: TreeBuffers
     probs: Float[Array, "B N V"] | None  # q(·|node) the node's children were drawn from
     state: PyTree  # the drafter's state after drafting
+    # per-node acceptance estimates (calibrated, e.g. the adaptive shape's), read by packed verification's
+    # goodput budget (`specjax.spec.packing`); None: exp(tree.score), the drafter's own path probability
+    est: Float[Array, "B N"] | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,8 @@ from specjax.drafters.base import Committed, DraftContext, Drafter, Proposal
 from specjax.io import compile_cache
 from specjax.models import family
 from specjax.models import prefill as prefill_lib
-from specjax.models.transformer import Model
+from specjax.models.transformer import Model, model_attention
+from specjax.spec import packing as packing_lib
 from specjax.spec.sampling import SamplingParams
 from specjax.models.sharding import BATCH, REPLICATED
 from specjax.typing import Array, Bool, Int
@@ -123,7 +124,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
              capacity: int | None = None, drafters: Sequence = (), tree=None,
              verify: str | None = None, margin: float | None = None,
-             state_budget_bytes: int | None = None, mesh: jax.sharding.Mesh | None = None) -> GenerationResult:
+             state_budget_bytes: int | None = None, mesh: jax.sharding.Mesh | None = None,
+             packing: packing_lib.Packing | None = None) -> GenerationResult:
     """Generation of a ragged batch of token-id prompts, autoregressive or speculative.
 
     temperature == 0 is greedy. `eos_token_id` defaults to the model config's; a row stops at
@@ -134,6 +136,12 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     lossy margin rule (opt-in, never a default; the result says `lossless=False`; see `specjax.spec.verify`).
     A recurrent (hybrid) target verifies a tree with a per-node state buffer; `state_budget_bytes`
     bounds it (see `check_state_budget`; default: the larger of 1 GiB and the committed cache).
+
+    `packing` (`specjax.spec.packing.Packing`, design §19): each row verifies its own nodes and the
+    target computes only those (packed into the smallest compiled budget), in place of the width
+    every row shares; `Packing()` gives per-row widths, `load_packing(profile, batch)` adds the goodput
+    budget (nodes cut where their estimate does not pay for their slot). The stats then carry
+    `mean_T`, the nodes the verify forward computed per round.
 
     `mesh` (a `jax.sharding.Mesh` with axes `data` and/or `model`, `specjax.models.sharding.make_mesh`) runs
     the same one program sharded (design §10): the target's and the drafter's parameters by their
@@ -150,9 +158,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         return _generate_speculative(model, prompts, list(drafters), tree, verify, eos, margin=margin,
                                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, capacity=capacity,
-                                     state_budget_bytes=state_budget_bytes, mesh=mesh)
-    if tree is not None or verify is not None or margin is not None:
-        raise ValueError("tree=, verify= and margin= need at least one drafter")
+                                     state_budget_bytes=state_budget_bytes, mesh=mesh, packing=packing)
+    if tree is not None or verify is not None or margin is not None or packing is not None:
+        raise ValueError("tree=, verify=, margin= and packing= need at least one drafter")
     batch = prepare_prompts(prompts, model.config.vocab_size, max_new_tokens, capacity,
                             max_positions=model.config.max_position_embeddings)
     graphdef, state = nnx.split(model)
@@ -337,7 +345,7 @@ def plan_rounds(model: Model, drafter: Drafter, tree, verify, temperature: float
 
 def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *, max_new_tokens,
                           temperature, top_k, top_p, seed, capacity, margin=None,
-                          state_budget_bytes=None, mesh=None) -> GenerationResult:
+                          state_budget_bytes=None, mesh=None, packing=None) -> GenerationResult:
     if len(drafters) > 1:
         raise ValueError("several drafters share one tree only under TreeGraft: pass one drafter, e.g. "
                          "specjax.drafters.composite.treegraft.TreeGraft(cheap, strong, policy=...)")
@@ -351,6 +359,7 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     batch = prepare_prompts(prompts, V, max_new_tokens, capacity, slack=slack,
                             max_positions=model.config.max_position_embeddings)
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
+    packing = check_packing(model, packing, len(batch.lengths), spec.num_nodes)
     drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
     graphdef, state = nnx.split((model, drafter))
     inputs = _placed(mesh, state, (family(model).PARTITION_RULES, drafter.partition_rules), batch,
@@ -359,13 +368,14 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
     with sharding.mesh_context(mesh):
         tokens, lengths, stats = _run(_generate_spec, graphdef, inputs, mesh, capacity=batch.capacity,
                                       max_new_tokens=int(max_new_tokens), rule=rule, spec=spec, mode=mode,
-                                      greedy=temperature == 0)
+                                      greedy=temperature == 0, packing=packing)
     tokens, lengths = sharding.gather(tokens), sharding.gather(lengths)
     stats = {k: sharding.gather(v) for k, v in stats.items()}
     rounds = np.maximum(stats["rounds"], 1)
     stats["tau"] = 1.0 + stats["accepted"] / rounds
     stats["depth_acceptance"] = stats["accepted_at_depth"] / rounds[:, None]
     stats["mean_verify_width"] = stats["verified_nodes"] / rounds
+    stats["mean_T"] = float(stats["batch_nodes"][0] / max(int(stats["batch_rounds"][0]), 1))
     return GenerationResult(tokens, lengths, stats, lossless=verify_lib.LOSSLESS[rule])
 
 
@@ -381,11 +391,16 @@ class RoundStats:
     accepted: Int[Array, "B"]  # accepted draft tokens (bonus tokens not counted)
     accepted_at_depth: Int[Array, "B D"]  # rounds whose accepted path reached depth d+1
     verified_nodes: Int[Array, "B"]  # tree nodes the target verified, summed over the row's rounds
+    # the loop's rounds and the nodes the target's verify forward computed in them (B x width, or the
+    # packed budget T), the same in every row: mean T = batch_nodes / batch_rounds
+    batch_rounds: Int[Array, "B"]
+    batch_nodes: Int[Array, "B"]
 
     @classmethod
     def zeros(cls, B: int, D: int) -> "RoundStats":
         z = jnp.zeros((B,), jnp.int32)
-        return cls(rounds=z, accepted=z, accepted_at_depth=jnp.zeros((B, D), jnp.int32), verified_nodes=z)
+        return cls(rounds=z, accepted=z, accepted_at_depth=jnp.zeros((B, D), jnp.int32), verified_nodes=z,
+                   batch_rounds=z, batch_nodes=z)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -446,14 +461,17 @@ def pin_carry(carry: LoopCarry, fam, drafter) -> LoopCarry:
 
 
 def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eos_E, *, max_new_tokens: int,
-               rule: str, spec, mode: str, margin=0.0, greedy: bool | None = None) -> tuple[LoopCarry, RoundOutput]:
+               rule: str, spec, mode: str, margin=0.0, greedy: bool | None = None,
+               packing: packing_lib.Packing | None = None) -> tuple[LoopCarry, RoundOutput]:
     """One round: draft a tree, verify it in one target forward, commit the accepted path in the
     target and the drafter, emit accepted + bonus tokens (cut at EOS and max_new_tokens).
 
     The body of the generation loop, and (jitted alone) the single round that TreeGraft's value
     system steps from the host. A drafter with several `verify_widths` has the target verify only
     the smallest compiled width that holds every active row's last valid node (`lax.switch`).
-    `margin` / `greedy` (default: rule == "greedy"): the lossy margin rule's δ and temperature-0 flag."""
+    `margin` / `greedy` (default: rule == "greedy"): the lossy margin rule's δ and temperature-0 flag.
+    `packing` (`specjax.spec.packing.Packing`): each row verifies its own live nodes, packed (design §19),
+    in place of the width switch; with its cost table, the goodput budget cuts nodes first."""
     M, D = max_new_tokens, spec.max_depth
     layers = tuple(drafter.target_layers)
     fam = family(model)
@@ -466,7 +484,10 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
     tree = tree_lib.well_formed(tree, root_B, D)  # the engine verifies a well-formed tree whatever was proposed
     widths = widths_lib.check_widths(drafter.verify_widths(spec), spec.num_nodes)
     with jax.named_scope("verify_forward"):
-        if len(widths) == 1:
+        if packing is not None:
+            logits, hidden, tcache, width, tree, computed = _verify_forward_packed(model, fam, tree, prop.est, cache,
+                                                                                   active, packing, D, layers)
+        elif len(widths) == 1:
             tout = fam.forward(model, tree.tokens, tree_lib.positions(tree, cache.length), cache,
                                tree_lib.ancestor_mask(tree, D), hidden_layers=layers, parents=tree.parents)
             logits, hidden, tcache = tout.logits, tout.hidden, tout.cache
@@ -474,6 +495,8 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
         else:
             logits, hidden, tcache, width, tree = _verify_forward_switch(model, fam, tree, cache, active, widths, D,
                                                                          layers)
+        if packing is None:
+            computed = width * root_B.shape[0]  # every row padded to the width
     with jax.named_scope("verify_walk"):
         vd = verify_lib.verify(tree, logits, k_verify, rule=rule, max_depth=D, params=params,
                                draft_probs_BxNxV=prop.probs, margin=margin,
@@ -487,13 +510,15 @@ def spec_round(model, drafter, carry: LoopCarry, params: SamplingParams, key, eo
         committed = Committed(tokens=jnp.concatenate([root_B[:, None], vd.tokens], axis=1), count=keep_B, features=features,
                               target=cache, nodes=vd.path)
         dstate = drafter.commit(prop.state, committed)
-    new, out = _emit(carry, prop, vd, committed, dstate, cache, active, width, eos_E, M, D)
+    new, out = _emit(carry, prop, vd, committed, dstate, cache, active, width, computed, eos_E, M, D)
     return pin_carry(new, fam, drafter), out
 
 
 @jax.named_scope("emit")
-def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, eos_E, M: int, D: int):
-    """The round's emission: accepted tokens and the bonus into the output buffer, stopping rules, stats."""
+def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, computed, eos_E, M: int, D: int):
+    """The round's emission: accepted tokens and the bonus into the output buffer, stopping rules, stats.
+    `width`: the nodes each row verified (a scalar, or [B] when packed); `computed`: the nodes the
+    target's forward computed this round (B x width, or the packed budget T)."""
     done_B, n_out_B, buf = carry.done, carry.n_out, carry.buf
     # Emit the accepted tokens and the bonus, cut at the first EOS and at max_new_tokens.
     i = jnp.arange(D + 1)[None]
@@ -510,7 +535,8 @@ def _emit(carry: LoopCarry, prop, vd, committed, dstate, cache, active, width, e
     stats = RoundStats(rounds=st.rounds + act, accepted=st.accepted + act * vd.num_accepted,
                        accepted_at_depth=st.accepted_at_depth
                        + act[:, None] * (jnp.arange(D)[None] < vd.num_accepted[:, None]).astype(jnp.int32),
-                       verified_nodes=st.verified_nodes + act * width)
+                       verified_nodes=st.verified_nodes + act * width,
+                       batch_rounds=st.batch_rounds + 1, batch_nodes=st.batch_nodes + computed)
     new = LoopCarry(r=carry.r + 1, root=jnp.where(active, vd.bonus, carry.root), cache=cache, dstate=dstate,
                     done=done_B, n_out=n_out_B, buf=buf, stats=stats)
     return new, RoundOutput(proposal=prop, verdict=vd, committed=committed, active=active, emitted=count)
@@ -554,9 +580,58 @@ def _verify_forward_switch(model, fam, tree: tree_lib.TreeBuffers, cache, active
     return logits, hidden, tcache, width, tree
 
 
-@jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode", "greedy"))
+def min_rows(model) -> int:
+    """The smallest block the model's attention takes (a batch-invariant one pads shorter blocks)."""
+    return getattr(model_attention(model), "min_rows", 1)
+
+
+def check_packing(model, packing, batch: int, num_nodes: int):
+    """`generate(packing=)` checked on the host (ValueError): a `Packing`, a family that packs, budgets
+    that fit this batch and tree. Returns the packing with its budgets resolved."""
+    if packing is None:
+        return None
+    if not isinstance(packing, packing_lib.Packing):
+        raise ValueError(f"packing must be a specjax.spec.packing.Packing (or None), got {type(packing).__name__}")
+    if not getattr(family(model), "PACKS", False):
+        raise ValueError(f"packed verification is built for dense transformer targets; {type(model).__module__} "
+                         "does not pack its forward (use the verify-width switch: packing=None)")
+    if num_nodes < min_rows(model):
+        raise ValueError(f"packed verification needs trees of at least {min_rows(model)} nodes on this model")
+    return dataclasses.replace(packing, budgets=packing.resolve(batch, num_nodes, min_rows(model)))
+
+
+def _verify_forward_packed(model, fam, tree: tree_lib.TreeBuffers, est_BxN, cache, active_B, packing, max_depth: int,
+                           layers: tuple[int, ...]):
+    """The target's verification forward over the round's live nodes, packed (design §19): each
+    active row's valid nodes (a finished row's none), cut first by the goodput budget when `packing`
+    has a cost table (estimates: the proposal's `est`, else exp(tree.score)); one `lax.switch` branch
+    per compiled budget T, the smallest holding them. Returns (logits [B, N, V], hidden, cache,
+    nodes verified per row [B], tree with the cut nodes invalid, T)."""
+    B, N = tree.valid.shape
+    budgets = packing.resolve(B, N, min_rows(model))
+    anc = tree_lib.ancestor_mask(tree, max_depth)
+    live = packing_lib.live_nodes(tree.valid, active_B)
+    if packing.goodput:
+        est = packing_lib.score_estimates(tree.score, tree.valid) if est_BxN is None else est_BxN
+        live, _ = packing_lib.choose_packed(est, live, anc, packing.round_s, budgets)
+    index = jnp.sum(jnp.asarray(budgets, jnp.int32) < jnp.sum(live)).astype(jnp.int32)
+    pos = tree_lib.positions(tree, cache.length)
+
+    def branch(T):
+        def run(_):
+            out = fam.forward(model, tree.tokens, pos, cache, anc, hidden_layers=layers, parents=tree.parents,
+                              pack=packing_lib.pack_index(live, T))
+            return out.logits, out.hidden, out.cache
+        return run
+
+    logits, hidden, tcache = jax.lax.switch(index, [branch(T) for T in budgets], None)
+    tree = dataclasses.replace(tree, valid=jnp.where(active_B[:, None], live, tree.valid))
+    return logits, hidden, tcache, jnp.sum(live, axis=1, dtype=jnp.int32), tree, jnp.asarray(budgets, jnp.int32)[index]
+
+
+@jax.jit(static_argnames=("graphdef", "capacity", "max_new_tokens", "rule", "spec", "mode", "greedy", "packing"))
 def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParams, key, eos_E, margin, *,
-                   capacity: int, max_new_tokens: int, rule: str, spec, mode: str, greedy: bool):
+                   capacity: int, max_new_tokens: int, rule: str, spec, mode: str, greedy: bool, packing=None):
     global _trace_count
     _trace_count += 1
     model, drafter = nnx.merge(graphdef, state)
@@ -566,7 +641,7 @@ def _generate_spec(graphdef, state, prompt_BxP, lengths_B, params: SamplingParam
     carry = jax.lax.while_loop(
         lambda c: ~jnp.all(c.done),
         lambda c: spec_round(model, drafter, c, params, key, eos_E, max_new_tokens=M, rule=rule, spec=spec,
-                             mode=mode, margin=margin, greedy=greedy)[0],
+                             mode=mode, margin=margin, greedy=greedy, packing=packing)[0],
         carry)
     stats = {**carry.stats.as_dict(), **drafter.loop_stats(carry.dstate)}  # plus a drafter's own counters
     buf = jnp.where(jnp.arange(M + D + 1)[None] < carry.n_out[:, None], carry.buf, 0)[:, :M]

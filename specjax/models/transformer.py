@@ -22,6 +22,7 @@ from specjax.models import attention as attention_lib, invariant, kvcache
 from specjax.models.kvcache import KVCache
 from specjax.models import quant
 from specjax.models.config import ModelConfig
+from specjax.spec import packing
 from specjax.typing import BlockMask, Hidden, Logits, Positions, Tokens
 
 
@@ -127,10 +128,16 @@ attend = attention_lib.attend
 
 
 def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, cache: KVCache,
-                  attention: attention_lib.LayerAttention, offset_B=None, exact: bool = False):
+                  attention: attention_lib.LayerAttention, offset_B=None, exact: bool = False,
+                  pack: packing.PackIndex | None = None, rows: tuple[int, int] | None = None):
     """One decoder layer. `attention(q, cache, idx) -> [B, T, H, D]` is the forward's bound attention
     (`Attention.bind`); cos = sin = None leaves q and k un-rotated (an attention that `rotates`);
-    `exact`: RoPE's products rounded (an `invariant` attention's forward)."""
+    `exact`: RoPE's products rounded (an `invariant` attention's forward).
+
+    With `pack` (packed verification, `specjax.spec.packing`), x is [1, T, E] packed nodes of a
+    block whose row layout is `rows` = (B, N): the projections and the MLP run on the T packed
+    rows, q / k / v go to the row layout for RoPE, the cache write and attention, and the
+    attention's output comes back packed."""
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = layer.self_attn
@@ -138,12 +145,16 @@ def forward_layer(layer: Layer, cfg: ModelConfig, idx: int, x_BxTxE, cos, sin, c
     q = linear(attn.q_proj, h).reshape(B, T, H, D)
     k = linear(attn.k_proj, h).reshape(B, T, K, D)
     v = linear(attn.v_proj, h).reshape(B, T, K, D)
+    if pack is not None:
+        q, k, v = (packing.to_rows(a, pack, *rows) for a in (q, k, v))
     if attn.q_norm is not None:
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     if cos is not None:  # None: q and k stay un-rotated (the attention applies RoPE itself)
         q, k = apply_rope(q, cos, sin, exact), apply_rope(k, cos, sin, exact)
     cache = kvcache.write(cache, idx, k, v, offset_B)
     o = attention(q, cache, idx)
+    if pack is not None:
+        o = packing.to_packed(o, pack)
     x_BxTxE = x_BxTxE + linear(attn.o_proj, o.reshape(B, T, H * D))
     h = rms_norm(layer.post_attention_layernorm, x_BxTxE)
     mlp = layer.mlp
@@ -192,7 +203,8 @@ def lm_head(model: Model, h_BxTxE) -> Logits:
 
 def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: KVCache,
             block_mask_BxTxS: BlockMask, hidden_layers: tuple[int, ...] = (),
-            offset_B=None, parents=None, attention: attention_lib.Attention | None = None) -> ForwardOutput:
+            offset_B=None, parents=None, attention: attention_lib.Attention | None = None,
+            pack: packing.PackIndex | None = None) -> ForwardOutput:
     """Runs a block of T tokens on top of each row's committed cache prefix.
 
     `parents` (the block's tree structure, used by recurrent targets, see `hybrid.forward`) is
@@ -206,10 +218,19 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     `attention` (a `specjax.models.attention.Attention`, e.g. a drafter's `specjax.models.fold.FoldAttention`)
     replaces the model's own (`model_attention`: jnp, or the kernel of `set_attention_impl`). One
     that `rotates` gets q and k un-rotated, and the block's keys are cached before RoPE.
+
+    `pack` (`specjax.spec.packing.PackIndex`, packed verification, design §19): only the block's
+    nodes that `pack` lists are computed; embedding, projections, MLP and LM head run on those T
+    packed rows, attention in the row layout. The output is in the row layout, 0 at absent nodes
+    (their K/V written as 0 to their scratch slots: never visible to a present node, whose block
+    mask shows its ancestors only).
     """
     cfg = model.config
     attention = model_attention(model) if attention is None else attention
     T, min_rows = tokens_BxT.shape[1], getattr(attention, "min_rows", 1)
+    if pack is not None:
+        return _forward_packed(model, tokens_BxT, positions_BxT, cache, block_mask_BxTxS, hidden_layers,
+                               offset_B, attention, pack)
     if T < min_rows:  # a batch-invariant attention's smallest block (`specjax.models.invariant`)
         def pad(a):  # copies of the last query: they see what it sees; their K/V land in scratch slots
             return jnp.concatenate([a] + [a[:, -1:]] * (min_rows - T), axis=1)
@@ -230,6 +251,29 @@ def forward(model: Model, tokens_BxT: Tokens, positions_BxT: Positions, cache: K
     return ForwardOutput(logits=lm_head(model, h), cache=cache,
                          hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=h)
 
+
+def _forward_packed(model: Model, tokens_BxN, positions_BxN, cache: KVCache, block_mask_BxNxS, hidden_layers,
+                    offset_B, attention: attention_lib.Attention, pack: packing.PackIndex) -> ForwardOutput:
+    """`forward` over the packed nodes of an N-node block (see `forward(pack=)`)."""
+    cfg = model.config
+    B, N = tokens_BxN.shape
+    if N < getattr(attention, "min_rows", 1) or pack.valid_T.shape[0] < getattr(attention, "min_rows", 1):
+        raise ValueError(f"a packed forward needs at least {attention.min_rows} nodes and slots (batch-invariant attention)")
+    x = embed(model, packing.to_packed(tokens_BxN, pack))  # [1, T, E]
+    exact = getattr(attention, "invariant", False)
+    cos, sin = (None, None) if attention.rotates else rope_cos_sin(cfg, positions_BxN, cache.capacity if exact else None)
+    layer_attention = attention.bind(cache, positions_BxN, block_mask_BxNxS)
+    hidden = {}
+    for i, layer in enumerate(model.layers):
+        x, cache = forward_layer(layer, cfg, i, x, cos, sin, cache, layer_attention, offset_B, exact, pack, (B, N))
+        if i in hidden_layers:
+            hidden[i] = packing.to_rows(x, pack, B, N)
+    h = rms_norm(model.norm, x)
+    return ForwardOutput(logits=packing.to_rows(lm_head(model, h), pack, B, N), cache=cache,
+                         hidden=tuple(hidden[i] for i in hidden_layers), last_hidden=packing.to_rows(h, pack, B, N))
+
+
+PACKS = True  # `forward(pack=)` computes only the packed nodes (`specjax.spec.packing`)
 
 ATTENTION_IMPLS = attention_lib.IMPLS
 

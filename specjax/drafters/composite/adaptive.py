@@ -274,7 +274,7 @@ class AdaptiveShape(Composite):
         depth = jnp.max(jnp.where(valid, tree.depth, 0), axis=1).astype(jnp.int32)
         st = dataclasses.replace(state, inner=prop.state, tree=tree, step_bin=step_bin,
                                  kept_nodes=state.kept_nodes + act * kept, kept_depth=state.kept_depth + act * depth)
-        return Proposal(tree=tree, probs=probs, state=st)
+        return Proposal(tree=tree, probs=probs, state=st, est=jnp.where(valid, est, 0.0))
 
     def commit(self, state: AdaptiveState, committed: Committed) -> AdaptiveState:
         live = committed.count > 0  # a finished row's history stands still
