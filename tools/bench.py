@@ -73,6 +73,7 @@ class Method:
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
     boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
+    packing: str | None = None  # packed verification (specjax.spec.packing): "pack" (per-row widths) or "goodput"
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -178,10 +179,15 @@ def extra_methods(names, drafters: dict) -> list[Method]:
     `;policy=SCHEDULER_DIR`), TREE the verify budget;
     'ngram|feature@1024-int8;min_match=3;model_tree=chain=3 chain=6' (the Switch, TREE the n-gram's),
     also written 'ngram|feature@1024-int8 chain=6|chain=3|3' (TREE|MODEL_TREE|MIN_MATCH, as earlier
-    results name their rows)."""
+    results name their rows).
+    A trailing ' pack' verifies each row's own nodes packed (`generate(packing=Packing())`), ' goodput'
+    adds the goodput budget (the cost table of --packed-profile): 'feature chain=2 goodput'."""
     out = []
     for name in names:
         text, _, tree = name.partition(" ")
+        tree, _, pk = tree.partition(" ")
+        if pk not in ("", "pack", "goodput"):
+            continue
         try:
             stack = compose.parse_stack(text)
         except ValueError:
@@ -201,7 +207,7 @@ def extra_methods(names, drafters: dict) -> list[Method]:
                 tree_lib.parse_tree_spec(stack.opts["model_tree"])
         except ValueError:
             continue
-        out.append(Method(name, stack.text(), tree))
+        out.append(Method(name, stack.text(), tree, packing=pk or None))
     return out
 
 
@@ -309,16 +315,31 @@ def oracle_row(target, drafters, m: Method, groups, new_tokens: int, repeats: in
     return row
 
 
+def method_packing(m: Method, batch: int, profile: str | None):
+    """The method's `generate(packing=)`: None, per-row widths, or the goodput budget from `profile`."""
+    from specjax.spec.packing import Packing, load_packing
+    if m.packing is None:
+        return None
+    if m.packing == "pack":
+        return Packing()
+    if not profile:
+        raise ValueError(f"method {m.name!r}: the goodput budget needs --packed-profile (python -m tools.profile_widths --packed ...)")
+    return load_packing(profile, batch)
+
+
 def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
-               draft_ms: dict | None = None) -> dict:
+               draft_ms: dict | None = None, packed_profile: str | None = None) -> dict:
     """One method's row (`tools.harness.time_generation` + `generation_row`). `draft_ms`: a cache
     {(drafter, confidence, tree, mode): ms} of the drafter's propose + commit timed alone (see the
-    module docstring); None skips that timing."""
+    module docstring); None skips that timing. `packed_profile`: the goodput rows' cost table."""
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
     drafter = None
     if m.drafter is not None:
         drafter = method_drafter(target, drafters, m)
         kw.update(drafters=[drafter], tree=m.tree, verify=m.verify)
+        packing = method_packing(m, len(groups[0]), packed_profile)
+        if packing is not None:
+            kw["packing"] = packing
     results, times = time_generation(target, groups, repeats, seed=seed, **kw)
     row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None, drafter=drafter)}
     if m.drafter is not None and draft_ms is not None:
@@ -514,6 +535,7 @@ def table_columns(meta) -> list[Column]:
             Column("mean verify width", lambda r: None if _measured("mean_verify_width", "")(r) is None else
                    f"{r['mean_verify_width']:.2f}" + (f" (model rounds {r['model_round_share']:.2f})"
                                                       if "model_round_share" in r else "")),
+            Column("mean T (nodes computed / round)", _measured("mean_T", "{:.1f}")),
             Column("greedy check (exact / near-tie / mismatch)", check_cell, right=False)]
 
 
@@ -665,6 +687,8 @@ def main(argv=None):
     ap.add_argument("--treegraft-costs", default=None, metavar="JSON",
                     help="the action cost table a TreeGraft oracle row prices actions with (tools.profile_widths "
                          "--treegraft; default: profiled in the run)")
+    ap.add_argument("--packed-profile", default=None, metavar="JSON",
+                    help="the cost table of the ' goodput' rows (python -m tools.profile_widths --packed ...; its row for --batch)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -757,7 +781,8 @@ def main(argv=None):
             row = oracle_row(target, drafters, m, groups, args.new_tokens, args.repeats, ar[0.0]["sequences"],
                              args.treegraft_costs)
         else:
-            row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms)
+            row = run_method(target, drafters, m, groups, args.new_tokens, args.repeats, draft_ms=draft_ms,
+                             packed_profile=args.packed_profile)
         row["temperature"] = m.temperature
         if m.drafter is None:
             ar[m.temperature] = row

@@ -245,6 +245,9 @@ def generation_row(results, times: list[float], speculative: bool, drafter=None)
             row["depth_acceptance"] = (at_depth.sum(0) / max(rounds, 1)).round(3).tolist()
         if all("verified_nodes" in x.stats for x in results):
             row["mean_verify_width"] = mean_verify_width(results)
+        if all("batch_nodes" in x.stats for x in results):  # nodes the verify forward computed per round
+            row["mean_T"] = (sum(int(x.stats["batch_nodes"][0]) for x in results)
+                             / max(sum(int(x.stats["batch_rounds"][0]) for x in results), 1))
         if all("drafted" in x.stats for x in results):  # a block drafter's
             row["mean_draft_len"] = sum(int(x.stats["drafted"].sum()) for x in results) / max(rounds, 1)
         if all("adaptive_depth" in x.stats for x in results):
