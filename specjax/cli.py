@@ -50,6 +50,7 @@ from specjax.drafters.block import parse_confidence
 from specjax.models.fold import FoldConfig
 from specjax.spec.profile import default_profile_name
 from specjax.spec.widths import adaptive_widths, tree_widths
+from specjax.spec.packing import Packing, load_packing
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -153,6 +154,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="with --confidence schedule: the verify-width cost profile of this machine, written by "
                         "python -m tools.profile_widths (default: bench/verify_profile_<model dir name>.json in the current "
                         "directory, else in the specjax repository)")
+    pk = p.add_mutually_exclusive_group()
+    pk.add_argument("--pack", action="store_true",
+                    help="packed verification (design §19): each prompt's row verifies its own drafted nodes and the "
+                         "target computes only those, not every row padded to the widest")
+    pk.add_argument("--goodput", default=None, metavar="PROFILE.json",
+                    help="--pack plus the goodput budget: nodes whose estimate does not pay for their slot are cut, by "
+                         "this machine's packed cost table (python -m tools.profile_widths --packed ...; its row for "
+                         "the number of prompts)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="run sharded on a device mesh (design §10): batch rows over D devices, tensor parallel over "
                         "M; D x M devices, of every process when SPECJAX_COORDINATOR / SPECJAX_NUM_PROCESSES / "
@@ -356,8 +365,15 @@ def run_generate(args: argparse.Namespace) -> int:
             kwargs["margin"] = args.margin
             print(f"warning: --verify margin (delta {args.margin:g}) is lossy: the output is not the target's own "
                   "(AdaptiveSpec's margin rule; see tools/bench_adaptive.py for its divergence)", file=sys.stderr)
-    elif args.tree is not None or args.verify is not None:
-        raise UsageError("--tree and --verify need a --drafter")
+        if args.pack:
+            kwargs["packing"] = Packing()
+        elif args.goodput:
+            try:
+                kwargs["packing"] = load_packing(args.goodput, len(ids))
+            except ValueError as e:
+                raise UsageError(f"--goodput: {e}") from None
+    elif args.tree is not None or args.verify is not None or args.pack or args.goodput:
+        raise UsageError("--tree, --verify, --pack and --goodput need a --drafter")
     try:
         if args.warmup:  # compiles (timed) and runs once; the reported run is the second
             with compile_timer() as timing:

@@ -323,6 +323,9 @@ def test_speculative_flags(capsys, model_dir, loaded):
     [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
                      "--ignore-eos", "--drafter", "ngram", "--tree", "chain=3")
     assert row["tokens"] == ref and row["tau"] >= 1.0
+    [row] = run_json(capsys, "--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", str(N),
+                     "--ignore-eos", "--drafter", model_dir, "--tree", "[[0],[1],[0,0]]", "--pack")
+    assert row["tokens"] == ref and row["tau"] == pytest.approx(3.0)  # packed verification (design §19)
 
 
 def test_speculative_usage_errors(capsys, model_dir):
@@ -330,6 +333,8 @@ def test_speculative_usage_errors(capsys, model_dir):
     expect_usage_error(capsys, base + ["--drafter", "nowhere"], "no such directory")
     expect_usage_error(capsys, base + ["--drafter", "ngram", "--tree", "[[1]]"], "malformed")
     expect_usage_error(capsys, base + ["--tree", "chain=2"], "need a --drafter")
+    expect_usage_error(capsys, base + ["--pack"], "need a --drafter")
+    expect_usage_error(capsys, base + ["--drafter", "ngram", "--goodput", "nowhere.json"], "--goodput: packing: cannot read")
     expect_usage_error(capsys, base + ["--drafter", "ngram", "--verify", "sampled", "--temperature", "1"],
                        "deterministic")
 
