@@ -54,7 +54,8 @@ from specjax.drafters import BlockDrafter, LMDrafter, NgramDrafter, compose, loa
 from specjax.spec.profile import costs_at_widths, costs_from_profile, default_profile_name, load_profile
 from specjax.spec.widths import tree_widths
 from tools.harness import (REPO, Column, batches, check_cell, generation_row, greedy_check, run_meta,
-                           smoke_block_head, smoke_models, time_generation, with_speedup, write_outputs)
+                           smoke_block_head, smoke_models, time_generation, warmup_groups, with_speedup,
+                           write_outputs)
 from tools.profile_widths import draft_seconds
 from train.common import repo_relative  # paths written down relative to the repo
 
@@ -327,11 +328,8 @@ def method_packing(m: Method, batch: int, profile: str | None):
     return load_packing(profile, batch)
 
 
-def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
-               draft_ms: dict | None = None, packed_profile: str | None = None) -> dict:
-    """One method's row (`tools.harness.time_generation` + `generation_row`). `draft_ms`: a cache
-    {(drafter, confidence, tree, mode): ms} of the drafter's propose + commit timed alone (see the
-    module docstring); None skips that timing. `packed_profile`: the goodput rows' cost table."""
+def method_kwargs(target, drafters, m: Method, groups, new_tokens: int, packed_profile: str | None = None):
+    """(`specjax.generate` keyword arguments, the drafter or None) of a method's row."""
     kw = dict(max_new_tokens=new_tokens, temperature=m.temperature, eos_token_id=())
     drafter = None
     if m.drafter is not None:
@@ -340,6 +338,43 @@ def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: in
         packing = method_packing(m, len(groups[0]), packed_profile)
         if packing is not None:
             kw["packing"] = packing
+    return kw, drafter
+
+
+def run_interleaved(target, drafters, methods, groups, new_tokens: int, repeats: int, seed: int = 0,
+                    packed_profile: str | None = None, log=print) -> dict:
+    """Every method's row, {name: row}, with their timed passes interleaved (--interleave): all methods
+    compiled and warmed up first, then `repeats` rounds of one pass of each method in turn, so that a slow
+    stretch of the machine (this 2-core VM varies by +-30% over minutes) falls on every method alike; the
+    median pass per method. Programs stay compiled for the whole run (memory: a few methods of one target)."""
+    setups = []
+    for m in methods:
+        if is_oracle(m):
+            raise ValueError(f"--interleave: the oracle row {m.name!r} runs its own passes; bench it without --interleave")
+        kw, d = method_kwargs(target, drafters, m, groups, new_tokens, packed_profile)
+        log(f"[bench] warm-up {m.name} ...")
+        for g in warmup_groups(groups):
+            specjax.generate(target, g, seed=seed, **kw)
+        setups.append((m, kw, d))
+    times = {m.name: [] for m in methods}
+    last = {}
+    for r in range(max(repeats, 1)):
+        for m, kw, d in setups:
+            t0 = time.perf_counter()
+            last[m.name] = [specjax.generate(target, g, seed=seed + i, **kw) for i, g in enumerate(groups)]
+            times[m.name].append(time.perf_counter() - t0)
+        log(f"[bench] repeat {r + 1}: " + ", ".join(f"{m.name} {times[m.name][-1]:.2f} s" for m, _, _ in setups))
+    return {m.name: {"method": m.name, **generation_row(last[m.name], times[m.name], speculative=m.drafter is not None,
+                                                         drafter=d), "pass_seconds": times[m.name]}
+            for m, kw, d in setups}
+
+
+def run_method(target, drafters, m: Method, groups, new_tokens: int, repeats: int, seed: int = 0,
+               draft_ms: dict | None = None, packed_profile: str | None = None) -> dict:
+    """One method's row (`tools.harness.time_generation` + `generation_row`). `draft_ms`: a cache
+    {(drafter, confidence, tree, mode): ms} of the drafter's propose + commit timed alone (see the
+    module docstring); None skips that timing. `packed_profile`: the goodput rows' cost table."""
+    kw, drafter = method_kwargs(target, drafters, m, groups, new_tokens, packed_profile)
     results, times = time_generation(target, groups, repeats, seed=seed, **kw)
     row = {"method": m.name, **generation_row(results, times, speculative=m.drafter is not None, drafter=drafter)}
     if m.drafter is not None and draft_ms is not None:
@@ -563,12 +598,17 @@ def _weights_phrase(meta) -> str:
 def write_bench_outputs(rows, meta, out: Path) -> Path:
     """bench/<out>.md, .json and .png through the harness (`tools.harness.write_outputs`)."""
     intro = [f"{meta['n_prompts']} prompts ({meta['kind']}), {meta['new_tokens']} new tokens each, batch {meta['batch']}, "
-             f"median of {meta['repeats']} repeats after a warm-up; {_weights_phrase(meta)} on {meta['device']}; "
+             f"median of {meta['repeats']} repeats after a warm-up"
+             + (" (interleaved: one pass of each method in turn)" if meta.get("interleaved") else "")
+             + f"; {_weights_phrase(meta)} on {meta['device']}; "
              f"load average {meta['load_avg']:.2f}."]
     notes = ["Draft ms / round: the drafter's propose + commit alone, jitted (16 in one `fori_loop` on the state "
              "after a prefill of the first batch and one round; median after a warm-up). Mean verify width: tree "
              "nodes the target verified per round, root included (below the tree's size when drafts are cut)."
-             + (f" DSpark schedule costs: {meta['verify_profile']}." if meta.get("verify_profile") else "")]
+             + (f" DSpark schedule costs: {meta['verify_profile']}." if meta.get("verify_profile") else "")
+             + (f" Goodput rows' packed cost table: {meta['packed_profile']}." if meta.get("packed_profile") else "")
+             + (" Mean T: nodes the target's verification forward computed per round (batch x width; packed rows: the"
+                " compiled budget)." if any("mean_T" in r for r in rows) else "")]
     return write_outputs(out, meta, rows, table_columns(meta), plot_rows,
                          title=f"Speculative decoding benchmark ({meta['setup']})", intro=intro,
                          notes=notes)
@@ -689,6 +729,9 @@ def main(argv=None):
                          "--treegraft; default: profiled in the run)")
     ap.add_argument("--packed-profile", default=None, metavar="JSON",
                     help="the cost table of the ' goodput' rows (python -m tools.profile_widths --packed ...; its row for --batch)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="compile every method first, then time one pass of each method in turn, --repeats times "
+                         "(a slow stretch of the machine falls on every row alike); median pass per method")
     ap.add_argument("--smoke", action="store_true", help="tiny random models: checks the tool, measures nothing real")
     ap.add_argument("--out", default=str(REPO / "bench/bench_spec"))
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -775,9 +818,18 @@ def main(argv=None):
     flat = [p for g in groups for p in g]
     rows, ar, meta_hf = [], {}, None
     draft_ms = None if args.no_draft_ms else {}
+    pre = None
+    if args.interleave:
+        try:
+            pre = run_interleaved(target, drafters, methods, groups, args.new_tokens, args.repeats,
+                                  packed_profile=args.packed_profile, log=lambda s: print(s, file=sys.stderr, flush=True))
+        except ValueError as e:
+            ap.error(str(e))
     for m in methods:
         print(f"[bench] {m.name} ...", file=sys.stderr, flush=True)
-        if is_oracle(m):
+        if pre is not None:
+            row = pre[m.name]
+        elif is_oracle(m):
             row = oracle_row(target, drafters, m, groups, args.new_tokens, args.repeats, ar[0.0]["sequences"],
                              args.treegraft_costs)
         else:
@@ -795,7 +847,7 @@ def main(argv=None):
         # Free this method's executables: XLA:CPU maps each one in thousands of pieces, and the
         # hybrid target's programs exhausted the kernel's map limit (65530) by the 8th method.
         # (--smoke keeps its few tiny programs: other smoke runs in the process reuse them.)
-        if not args.smoke:
+        if not args.smoke and pre is None:
             jax.clear_caches()
             gc.collect()
     if (args.hf or args.llama_cpp) and not args.smoke:
@@ -831,7 +883,8 @@ def main(argv=None):
                     kind="random" if args.smoke else kind, n_prompts=len(flat), new_tokens=args.new_tokens,
                     batch=args.batch, repeats=args.repeats, hf_peer=meta_hf, verify_profile=profile_used,
                     dspark_threshold=args.dspark_threshold, weights=args.weights,
-                    invariant=args.weights != "float32" if args.invariant is None else args.invariant)
+                    invariant=args.weights != "float32" if args.invariant is None else args.invariant,
+                    interleaved=bool(args.interleave), packed_profile=args.packed_profile)
     md = write_bench_outputs(rows, meta, Path(args.out))
     Path(str(args.out) + ".partial.json").unlink(missing_ok=True)
     if args.plot_budgets:
