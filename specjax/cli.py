@@ -159,7 +159,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                     help="packed verification (design §19): each prompt's row verifies its own drafted nodes and the "
                          "target computes only those, not every row padded to the widest")
     pk.add_argument("--goodput", default=None, metavar="PROFILE.json",
-                    help="--pack plus the goodput budget: nodes whose estimate does not pay for their slot are cut, by "
+                    help="--pack plus the goodput budget: nodes whose estimate (a drafter with q: the adaptive shape's, "
+                         "calibrated online) does not pay for its slot are cut, by "
                          "this machine's packed cost table (python -m tools.profile_widths --packed ...; its row for "
                          "the number of prompts)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
@@ -340,6 +341,13 @@ def run_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag[stack.composite]}: {e}") from None
     if args.adaptive:
         drafters = [adaptive_drafter(args, drafters, len(sources))]
+    elif args.goodput and len(drafters) == 1 and drafters[0].gives_q and not drafters[0].reads_own_tree:
+        try:  # the goodput budget cuts by calibrated estimates, learnt online (`AdaptiveShape.estimator`)
+            d = drafters[0]
+            n = d.resolve_tree(tree_lib.parse_tree_spec(d.default_tree if args.tree is None else args.tree)).num_nodes
+            drafters = [AdaptiveShape.estimator(d, n)]
+        except ValueError as e:
+            raise UsageError(f"--goodput: {e}") from None
 
     prompts = chat_prompts(args, sources)
     ids = [tokenizer.encode(s).ids for s in prompts]

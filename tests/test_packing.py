@@ -184,6 +184,17 @@ def test_greedy_equals_autoregressive_with_the_goodput_budget(target, drafter):
     assert w[[0, 2]].mean() > w[[1, 3]].mean()
 
 
+def test_goodput_on_calibrated_estimates(target, drafter):
+    """`AdaptiveShape.estimator`: the tree verified whole by the wrapper, its online-calibrated estimates in
+    `Proposal.est` for the budget to cut by; greedy output still the target's own."""
+    from specjax.drafters.composite.adaptive import AdaptiveShape
+    est = AdaptiveShape.estimator(drafter, 5)
+    assert est.verify_widths(tree_lib.parse_tree_spec(CHAIN)) == (5,)
+    mild = Packing(budgets=packing.packed_budgets(4, 5), round_s=(1.0, 1.1, 1.3, 1.4))
+    got = _greedy(target, est, mild, _prompts(7))
+    assert 4 < got.stats["mean_T"] < 20 and got.stats["accepted"].sum() > 0
+
+
 def test_finished_rows_cost_nothing(target, drafter):
     """Rows of 4, 12, 24 new tokens in one batch: after a row finishes, rounds pack fewer nodes."""
     prompts = _prompts(3)
@@ -283,6 +294,9 @@ def test_bad_packing_is_refused(target, drafter, tmp_path):
     with pytest.raises(ValueError, match="does not pack its forward"):
         specjax.generate(hyb, [[1, 2, 3]], max_new_tokens=4, drafters=[test_hybrid._drafter_for(hyb, 7)],
                          tree=CHAIN, packing=Packing())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="packed verification runs on one device"):
+        specjax.generate(target, p, packing=Packing(), mesh=mesh, **kw)
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"packed": {"4": {"budgets": [4, 8, 16, 20], "round_s": [1.0, 1.2, 1.5, 2.0]}}}))
     assert packing.load_packing(prof, 4).round_s == (1.0, 1.2, 1.5, 2.0)

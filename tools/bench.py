@@ -74,7 +74,7 @@ class Method:
     costs: tuple | None = None  # with "schedule": round seconds per verify width (a profile of this machine)
     zero_state: bool = False  # ReaDy's ablation: the state reader on zeroed states
     boundaries: int | None = None  # DPara: acceptance boundaries of a chain precomputed beside the verification
-    packing: str | None = None  # packed verification (specjax.spec.packing): "pack" (per-row widths) or "goodput"
+    packing: str | None = None  # packed verification (specjax.spec.packing): "pack" (per-row widths), "goodput", "goodput-cal"
 
 
 def block_methods(name: str, drafter: BlockDrafter, threshold: float = 0.5, schedule_costs=None) -> list[Method]:
@@ -182,12 +182,14 @@ def extra_methods(names, drafters: dict) -> list[Method]:
     also written 'ngram|feature@1024-int8 chain=6|chain=3|3' (TREE|MODEL_TREE|MIN_MATCH, as earlier
     results name their rows).
     A trailing ' pack' verifies each row's own nodes packed (`generate(packing=Packing())`), ' goodput'
-    adds the goodput budget (the cost table of --packed-profile): 'feature chain=2 goodput'."""
+    adds the goodput budget (the cost table of --packed-profile) on the drafter's own path probabilities,
+    ' goodput-cal' on the adaptive shape's online-calibrated estimates (`AdaptiveShape.estimator`):
+    'feature chain=4 goodput-cal'."""
     out = []
     for name in names:
         text, _, tree = name.partition(" ")
         tree, _, pk = tree.partition(" ")
-        if pk not in ("", "pack", "goodput"):
+        if pk not in ("", "pack", "goodput", "goodput-cal"):
             continue
         try:
             stack = compose.parse_stack(text)
@@ -323,6 +325,7 @@ def method_packing(m: Method, batch: int, profile: str | None):
         return None
     if m.packing == "pack":
         return Packing()
+    assert m.packing in ("goodput", "goodput-cal"), m.packing
     if not profile:
         raise ValueError(f"method {m.name!r}: the goodput budget needs --packed-profile (python -m tools.profile_widths --packed ...)")
     return load_packing(profile, batch)
@@ -334,6 +337,10 @@ def method_kwargs(target, drafters, m: Method, groups, new_tokens: int, packed_p
     drafter = None
     if m.drafter is not None:
         drafter = method_drafter(target, drafters, m)
+        if m.packing == "goodput-cal":  # calibrated estimates for the budget
+            from specjax.drafters.composite.adaptive import AdaptiveShape
+            n = drafter.resolve_tree(tree_lib.parse_tree_spec(m.tree)).num_nodes
+            drafter = AdaptiveShape.estimator(drafter, n)
         kw.update(drafters=[drafter], tree=m.tree, verify=m.verify)
         packing = method_packing(m, len(groups[0]), packed_profile)
         if packing is not None:

@@ -360,6 +360,9 @@ def _generate_speculative(model: Model, prompts, drafters, tree, verify, eos, *,
                             max_positions=model.config.max_position_embeddings)
     check_state_budget(model, len(batch.lengths), spec.num_nodes, batch.capacity, state_budget_bytes)
     packing = check_packing(model, packing, len(batch.lengths), spec.num_nodes)
+    if packing is not None and mesh is not None:
+        raise ValueError("packed verification runs on one device: it packs nodes across rows, which a mesh shards "
+                         "over `data` (not built; use packing=None on a mesh)")
     drafter.validate(batch.capacity)  # the drafter's own checks against its cache capacity (e.g. FOLD's window)
     graphdef, state = nnx.split((model, drafter))
     inputs = _placed(mesh, state, (family(model).PARTITION_RULES, drafter.partition_rules), batch,

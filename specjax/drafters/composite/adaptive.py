@@ -169,6 +169,14 @@ class AdaptiveShape(Composite):
             raise ValueError(f"draft_step_s must be seconds >= 0, got {draft_step_s}")
         self.draft_step_s = None if draft_step_s is None else float(draft_step_s)
 
+    @classmethod
+    def estimator(cls, inner: Drafter, num_nodes: int, calibration: Calibration | None = None) -> "AdaptiveShape":
+        """The drafter's tree verified whole (one width: no cut of its own) with the adaptive shape's
+        calibrated per-node estimates in `Proposal.est`, learnt online from the acceptance it observes
+        (from `calibration` when given, else from q): what packed verification's goodput budget cuts by
+        (`specjax.spec.packing`; a drafter's raw q underestimates deep nodes when it is underconfident)."""
+        return cls(inner, (1.0,), widths=(int(num_nodes),), calibration=calibration)
+
     def rebuild(self, inner: Drafter) -> "AdaptiveShape":
         return AdaptiveShape(inner, self.costs, widths=self.widths, decay=self.decay, calibration=self.calibration_prior,
                              calibration_decay=self.calibration_decay, draft_step_s=self.draft_step_s)
