@@ -72,6 +72,7 @@ def test_cli_and_python_names_agree():
               "state_budget_bytes": None,  # Python only: a memory guard for huge hybrid trees
               "target": "model", "spec": "drafter", "target_path": "model",  # load_drafter: from --model / --drafter
               "costs": "verify_profile",  # round seconds per width, read from a profile file
+              "packing": "goodput",  # --pack, or --goodput PROFILE (the cost table read from a file)
               "tuned": "untuned"}  # a drafter's recorded defaults: on unless --untuned
     for fn in (specjax.generate, load_drafter):
         for name in inspect.signature(fn).parameters:
