@@ -163,6 +163,26 @@ def round_seconds(target, drafter, prompts, spec, repeats: int = 5, loops: int =
     return median_s(lambda: run(state, carry), repeats) / loops
 
 
+def forward_loop(graphdef, fam, tree, mask, layers, loops: int, pack=None):
+    """A jitted `run(state, cache)`: `loops` verification forwards of `tree` in one `fori_loop` carrying
+    the cache (released after each, as a round's scratch is). `pack`: a function giving the forward's
+    `PackIndex` (packed verification), traced inside the program."""
+    @jax.jit
+    def run(state, cache):
+        model = nnx.merge(graphdef, state)
+
+        def body(i, x):
+            c, acc = x
+            kw = {} if pack is None else {"pack": pack()}
+            out = fam.forward(model, tree.tokens + i * 0, tree_lib.positions(tree, c.length), c, mask,
+                              hidden_layers=layers, parents=tree.parents, **kw)
+            acc = acc + out.logits[0, 0, 0] + sum(h[0, 0, 0].astype(jnp.float32) for h in out.hidden)
+            return fam.release(out.cache), acc
+
+        return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
+    return run
+
+
 def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loops: int = LOOPS) -> dict[int, float]:
     """Seconds of the target's verification forward over the first w nodes of the tree, per w:
     `loops` forwards in one jitted `fori_loop` carrying the cache (released after each, as a
@@ -190,21 +210,7 @@ def verify_seconds(target, layers, prompts, spec, widths, repeats: int = 5, loop
 
     def make(w):
         sub = jax.tree.map(lambda x: x[:, :w], tree)
-        mask = tree_lib.ancestor_mask(sub, D)
-
-        @jax.jit
-        def run(state, cache):
-            model = nnx.merge(graphdef, state)
-
-            def body(i, x):
-                c, acc = x
-                out = fam.forward(model, sub.tokens + i * 0, tree_lib.positions(sub, c.length), c, mask,
-                                  hidden_layers=layers, parents=sub.parents)
-                acc = acc + out.logits[0, 0, 0] + sum(h[0, 0, 0].astype(jnp.float32) for h in out.hidden)
-                return fam.release(out.cache), acc
-
-            return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
-        return run
+        return forward_loop(graphdef, fam, sub, tree_lib.ancestor_mask(sub, D), layers, loops)
 
     return {w: median_s(lambda run=make(w): run(state, cache), repeats) / loops for w in widths}
 
@@ -234,20 +240,7 @@ def verify_packed_seconds(target, layers, prompts, num_nodes: int, budgets, repe
     def make(T):
         n_B = np.minimum(T // B + (np.arange(B) < T % B), N)
         live = jnp.asarray(np.arange(N)[None] < n_B[:, None])
-
-        @jax.jit
-        def run(state, cache):
-            model = nnx.merge(graphdef, state)
-
-            def body(i, x):
-                c, acc = x
-                out = fam.forward(model, tree.tokens + i * 0, tree_lib.positions(tree, c.length), c, mask,
-                                  hidden_layers=layers, parents=tree.parents, pack=packing_lib.pack_index(live, T))
-                acc = acc + out.logits[0, 0, 0] + sum(h[0, 0, 0].astype(jnp.float32) for h in out.hidden)
-                return fam.release(out.cache), acc
-
-            return jax.lax.fori_loop(0, loops, body, (cache, jnp.float32(0)))[1]
-        return run
+        return forward_loop(graphdef, fam, tree, mask, layers, loops, pack=lambda: packing_lib.pack_index(live, T))
 
     runs = {T: make(T) for T in budgets}
     for T in budgets:  # compile + warm up
